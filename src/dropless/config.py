@@ -1,0 +1,277 @@
+"""One typed configuration tree for dropless.
+
+Design:
+- Plain dataclasses holding plain values only (numbers, strings, bools, tuples, None): no modules,
+  process groups or tensors, so a config can be printed, saved as TOML/JSON and diffed.
+- Each dataclass validates itself in `__post_init__` and raises `ValueError` naming the dotted field
+  and the bad value. Cross-field rules (k <= E, groups divide E, ...) live in the class that owns both
+  fields.
+- Presets are TOML files under `configs/`; `load_config` reads one, `apply_overrides` sets fields by
+  dotted name (`model.moe.top_k=4`), parsing the string with the field's declared type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+SCORE_FUNCS = ("softmax", "sigmoid", "sqrt_softplus")
+ACTIVATIONS = ("swiglu", "geglu", "relu2")
+BACKENDS = ("auto", "grouped_mm", "loop", "padded_bmm")
+DROP_POLICIES = ("position", "score")
+
+
+def _fail(name: str, value: Any, why: str) -> None:
+    raise ValueError(f"{name}={value!r}: {why}")
+
+
+def _positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        _fail(name, value, "must be a positive integer")
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        _fail(name, value, f"must be one of {', '.join(choices)}")
+
+
+@dataclass
+class RouterConfig:
+    """How scores are computed and experts selected (mission.md section 2)."""
+
+    score_func: str = "softmax"
+    # Softmax over all E logits before top-k. Post-softmax (softmax over the k picked logits) with k=1
+    # always gives weight 1 and no router gradient, so that combination is refused.
+    pre_softmax: bool = True
+    renormalize: bool = True  # rescale the k weights to sum to 1
+    scaling_factor: float = 1.0  # multiplies the final weights (about 2.5 in DeepSeek-V3 style)
+    n_groups: int = 1  # group-limited routing: experts form n_groups groups ...
+    topk_groups: int = 1  # ... and only the best topk_groups groups are eligible
+    use_expert_bias: bool = False  # selection-only bias buffer (loss-free balancing)
+
+    def validate(self, prefix: str, num_experts: int, top_k: int) -> None:
+        _choice(f"{prefix}.score_func", self.score_func, SCORE_FUNCS)
+        _positive(f"{prefix}.n_groups", self.n_groups)
+        _positive(f"{prefix}.topk_groups", self.topk_groups)
+        if self.topk_groups > self.n_groups:
+            _fail(f"{prefix}.topk_groups", self.topk_groups, f"exceeds n_groups={self.n_groups}")
+        if num_experts % self.n_groups:
+            _fail(f"{prefix}.n_groups", self.n_groups, f"does not divide num_experts={num_experts}")
+        per_group = num_experts // self.n_groups
+        if top_k > self.topk_groups * per_group:
+            _fail(f"{prefix}.topk_groups", self.topk_groups,
+                  f"leaves {self.topk_groups * per_group} eligible experts, fewer than top_k={top_k}")
+        if self.score_func == "softmax" and top_k == 1 and not self.pre_softmax:
+            _fail(f"{prefix}.pre_softmax", self.pre_softmax,
+                  "softmax with top_k=1 needs pre_softmax=True (post-softmax over one logit is constant 1: "
+                  "no router gradient)")
+        if not self.scaling_factor > 0:
+            _fail(f"{prefix}.scaling_factor", self.scaling_factor, "must be > 0")
+
+
+@dataclass
+class BalanceConfig:
+    """Load-balancing losses and rules (mission.md section 3)."""
+
+    aux_loss_coeff: float = 0.01  # Switch aux loss, micro-batch scope
+    z_loss_coeff: float = 1e-3  # router z-loss: mean(logsumexp(logits)^2)
+    bias_update_rate: float = 0.0  # loss-free bias step u (0 = off); needs router.use_expert_bias
+
+    def validate(self, prefix: str) -> None:
+        for name in ("aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
+            value = getattr(self, name)
+            if not value >= 0:
+                _fail(f"{prefix}.{name}", value, "must be >= 0")
+
+
+@dataclass
+class MoEConfig:
+    """One MoE layer: router, experts, dispatch mode."""
+
+    num_experts: int = 8
+    top_k: int = 2
+    d_expert: int = 128  # f: hidden width of one routed expert
+    activation: str = "swiglu"
+    act_clamp: Optional[float] = None  # hard clamp of the activation input (e.g. 10)
+    act_softcap: Optional[float] = None  # smooth cap: c * tanh(x / c)
+    n_shared_experts: int = 0
+    d_shared: int = 0  # width of each shared expert (0 = d_expert)
+    backend: str = "auto"  # grouped GEMM backend, chosen once at build
+    align: int = 1  # per-expert row alignment of the routing plan (1 on CPU; 8..128 on GPU/low precision)
+    capacity_factor: Optional[float] = None  # None = dropless; a number = capacity baseline
+    drop_policy: str = "position"  # capacity mode: which pairs survive ("position" or "score")
+    router: RouterConfig = field(default_factory=RouterConfig)
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
+
+    def __post_init__(self) -> None:
+        self.validate("moe")
+
+    def validate(self, prefix: str = "moe") -> None:
+        _positive(f"{prefix}.num_experts", self.num_experts)
+        _positive(f"{prefix}.top_k", self.top_k)
+        if self.top_k > self.num_experts:
+            _fail(f"{prefix}.top_k", self.top_k, f"exceeds num_experts={self.num_experts}")
+        _positive(f"{prefix}.d_expert", self.d_expert)
+        _choice(f"{prefix}.activation", self.activation, ACTIVATIONS)
+        for name in ("act_clamp", "act_softcap"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                _fail(f"{prefix}.{name}", value, "must be > 0 or None")
+        if self.n_shared_experts < 0:
+            _fail(f"{prefix}.n_shared_experts", self.n_shared_experts, "must be >= 0")
+        if self.d_shared < 0:
+            _fail(f"{prefix}.d_shared", self.d_shared, "must be >= 0")
+        _choice(f"{prefix}.backend", self.backend, BACKENDS)
+        _positive(f"{prefix}.align", self.align)
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            _fail(f"{prefix}.capacity_factor", self.capacity_factor, "must be > 0 (or None for dropless)")
+        if self.backend == "padded_bmm" and self.capacity_factor is None:
+            _fail(f"{prefix}.backend", self.backend,
+                  "padded_bmm is the capacity layout; set capacity_factor, or use grouped_mm for dropless")
+        _choice(f"{prefix}.drop_policy", self.drop_policy, DROP_POLICIES)
+        if isinstance(self.router, dict):
+            self.router = RouterConfig(**self.router)
+        if isinstance(self.balance, dict):
+            self.balance = BalanceConfig(**self.balance)
+        self.router.validate(f"{prefix}.router", self.num_experts, self.top_k)
+        self.balance.validate(f"{prefix}.balance")
+        if self.balance.bias_update_rate > 0 and not self.router.use_expert_bias:
+            _fail(f"{prefix}.balance.bias_update_rate", self.balance.bias_update_rate,
+                  "needs router.use_expert_bias=true")
+
+    @property
+    def shared_width(self) -> int:
+        return self.n_shared_experts * (self.d_shared or self.d_expert)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Generic tree helpers: build from dicts, dotted overrides, TOML/JSON round trip.
+
+
+def _resolve_type(tp: Any) -> Any:
+    """Strip Optional[...] and return (base type, allows_none)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0], True
+    return tp, False
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    """Build dataclass `cls` from a nested dict, refusing unknown keys by name."""
+    hints = _field_types(cls)
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if key not in hints:
+            raise ValueError(f"{name}: unknown config field (known: {', '.join(sorted(hints))})")
+        tp, _ = _resolve_type(hints[key])
+        if dataclasses.is_dataclass(tp) and isinstance(value, dict):
+            value = from_dict(tp, value, prefix=f"{name}.")
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def parse_value(name: str, text: str, tp: Any) -> Any:
+    """Parse an override string with the declared field type."""
+    base, optional = _resolve_type(tp)
+    if optional and text.strip().lower() in ("none", "null", ""):
+        return None
+    try:
+        if base is bool:
+            low = text.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
+        if base is int:
+            return int(text)
+        if base is float:
+            return float(text)
+        if base is str:
+            return text
+        if typing.get_origin(base) in (list, tuple):
+            value = json.loads(text)
+            return tuple(value) if typing.get_origin(base) is tuple else list(value)
+    except (ValueError, json.JSONDecodeError):
+        raise ValueError(f"{name}={text!r}: cannot parse as {getattr(base, '__name__', base)}") from None
+    raise ValueError(f"{name}: cannot override a field of type {tp}")
+
+
+def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
+    """Return a copy of `cfg` with `a.b.c=value` overrides applied, then re-validated."""
+    data = to_dict(cfg)
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r}: expected dotted.name=value")
+        path, text = item.split("=", 1)
+        keys = path.strip().split(".")
+        cls: Any = type(cfg)
+        node = data
+        for i, key in enumerate(keys):
+            hints = _field_types(cls)
+            if key not in hints:
+                where = ".".join(keys[: i + 1])
+                raise ValueError(f"{where}: unknown config field (known: {', '.join(sorted(hints))})")
+            tp, _ = _resolve_type(hints[key])
+            if i == len(keys) - 1:
+                if dataclasses.is_dataclass(tp):
+                    raise ValueError(f"{path}: is a section, not a field")
+                node[key] = parse_value(path, text, hints[key])
+            else:
+                if not dataclasses.is_dataclass(tp):
+                    raise ValueError(f"{'.'.join(keys[: i + 1])}: is a field, not a section")
+                node = node[key]
+                cls = tp
+    return from_dict(type(cfg), data)
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    with path.open("rb") as fh:
+        return tomllib.load(fh)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} to TOML")
+
+
+def dumps_toml(data: dict[str, Any], prefix: str = "") -> str:
+    """Write a nested dict as TOML (None values are omitted: they mean 'default/off')."""
+    lines: list[str] = []
+    tables: list[tuple[str, dict[str, Any]]] = []
+    for key, value in data.items():
+        if isinstance(value, dict):
+            tables.append((f"{prefix}{key}", value))
+        elif value is not None:
+            lines.append(f"{key} = {_toml_value(value)}")
+    out = "\n".join(lines)
+    for name, table in tables:
+        body = dumps_toml(table, prefix=f"{name}.")
+        out += f"\n\n[{name}]\n{body}" if body.strip() else ""
+    return out.strip() + "\n"

@@ -1,0 +1,69 @@
+"""Dispatchers: move (token, expert) pairs to the experts and their results back.
+
+Legend: T tokens, K experts per token, D model width, R rows in expert order.
+
+A dispatcher is a plain object with `dispatch(x_TD, ids_TK, weights_TK) -> (ExpertBatch, meta)` and
+`combine(y_RD, meta) -> y_TD`. The metadata is a frozen dataclass that carries everything combine
+needs, so one dispatcher object serves every layer and every micro-batch. The experts module sees only
+an ExpertBatch and never knows whether the rows came from this process or from other ranks: the
+expert-parallel dispatcher (dropless.distributed.ep) implements the same two methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..ops import permute as P
+from .experts import ExpertBatch
+
+
+@dataclass(frozen=True)
+class LocalMeta:
+    plan: P.RoutingPlan
+    weights_TK: torch.Tensor
+
+    @property
+    def pairs_dropped(self) -> torch.Tensor:
+        return self.plan.pairs_dropped()
+
+
+class Dispatcher(Protocol):
+    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor,
+                 weights_TK: torch.Tensor) -> tuple[ExpertBatch, object]: ...
+
+    def combine(self, y_RD: torch.Tensor, meta: object) -> torch.Tensor: ...
+
+# Every meta object exposes `pairs_dropped` (an int64 device scalar) for the layer's statistics.
+
+
+class LocalDispatcher:
+    """Single-device dispatch: a routing plan, a gather into expert order, a weighted gather back.
+
+    Dropless by default (capacity_factor None): every pair gets a row and no host sync happens.
+    With a capacity factor it is the capacity baseline: C rows per expert, the overflow dropped.
+    """
+
+    def __init__(self, num_experts: int, align: int = 1, capacity_factor: float | None = None,
+                 drop_policy: str = "position") -> None:
+        self.num_experts = num_experts
+        self.align = align
+        self.capacity_factor = capacity_factor
+        self.drop_policy = drop_policy
+
+    def plan(self, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> P.RoutingPlan:
+        if self.capacity_factor is None:
+            return P.make_plan(ids_TK, self.num_experts, self.align)
+        return P.make_capacity_plan(ids_TK, weights_TK, self.num_experts, self.capacity_factor,
+                                    self.drop_policy, self.align)
+
+    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor,
+                 weights_TK: torch.Tensor) -> tuple[ExpertBatch, LocalMeta]:
+        plan = self.plan(ids_TK, weights_TK)
+        batch = ExpertBatch(P.permute(x_TD, plan), plan.offsets_E, plan.capacity)
+        return batch, LocalMeta(plan, weights_TK)
+
+    def combine(self, y_RD: torch.Tensor, meta: LocalMeta) -> torch.Tensor:
+        return P.combine(y_RD, meta.weights_TK, meta.plan)

@@ -1,0 +1,75 @@
+"""Routed experts with stacked weights and one backend seam for the grouped GEMM.
+
+Legend: R routed rows (expert-major), E experts, D model width, F expert width.
+    w_gate_up_EDF  (E, D, 2F) gate|up prefused (E, D, F for relu2): one read of the input rows
+    w_down_EFD     (E, F, D)
+
+The backend is chosen once at build: `grouped_mm` (the dropless path), `loop` (a per-expert loop:
+the reference, syncs on the host), `padded_bmm` (the capacity layout: every expert holds C rows).
+Under CPU/GPU autocast the weights and rows are cast to the autocast dtype here, because torch's
+autocast does not cover grouped_mm and would otherwise leave the expert GEMMs in fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..ops import grouped_gemm
+from ..ops.activations import activation, is_gated
+
+
+@dataclass(frozen=True)
+class ExpertBatch:
+    """What a dispatcher hands the experts: rows in expert order and where each group ends."""
+
+    x_RD: torch.Tensor
+    offsets_E: torch.Tensor  # int32 group ends
+    capacity: int | None = None  # rows per expert in the capacity layout
+
+
+def resolve_backend(backend: str, capacity_mode: bool) -> str:
+    if backend == "auto":
+        if capacity_mode:
+            return "padded_bmm"
+        return "grouped_mm" if grouped_gemm.has_grouped_mm() else "loop"
+    return backend
+
+
+class GroupedExperts(nn.Module):
+    def __init__(self, num_experts: int, d_model: int, d_expert: int, kind: str = "swiglu",
+                 clamp: float | None = None, softcap: float | None = None, backend: str = "grouped_mm") -> None:
+        super().__init__()
+        self.kind, self.clamp, self.softcap, self.backend = kind, clamp, softcap, backend
+        width = 2 * d_expert if is_gated(kind) else d_expert
+        self.w_gate_up_EDF = nn.Parameter(torch.empty(num_experts, d_model, width))
+        self.w_down_EFD = nn.Parameter(torch.empty(num_experts, d_expert, d_model))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.w_gate_up_EDF, std=self.w_gate_up_EDF.shape[1] ** -0.5)
+        nn.init.normal_(self.w_down_EFD, std=self.w_down_EFD.shape[1] ** -0.5)
+
+    def _gemm(self, x_RD: torch.Tensor, w_EDF: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:
+        if self.backend == "grouped_mm":
+            return grouped_gemm.grouped_mm(x_RD, w_EDF, batch.offsets_E)
+        if self.backend == "padded_bmm":
+            if batch.capacity is None:
+                raise ValueError("backend='padded_bmm' needs the capacity layout (capacity_factor set)")
+            return grouped_gemm.padded_bmm(x_RD, w_EDF, batch.capacity)
+        if self.backend == "loop":
+            return grouped_gemm.grouped_mm_reference(x_RD, w_EDF, batch.offsets_E)
+        raise ValueError(f"backend={self.backend!r}: must be grouped_mm, loop or padded_bmm")
+
+    def forward(self, batch: ExpertBatch) -> torch.Tensor:
+        x_RD, w1, w2 = batch.x_RD, self.w_gate_up_EDF, self.w_down_EFD
+        dev = x_RD.device.type
+        if torch.is_autocast_enabled(dev):
+            dtype = torch.get_autocast_dtype(dev)
+            x_RD, w1, w2 = x_RD.to(dtype), w1.to(dtype), w2.to(dtype)
+        elif x_RD.dtype != w1.dtype:
+            x_RD = x_RD.to(w1.dtype)
+        h_RF = activation(self._gemm(x_RD, w1, batch), self.kind, self.clamp, self.softcap)
+        return self._gemm(h_RF, w2, batch)

@@ -1,0 +1,28 @@
+"""A dense gated MLP: the dense layers of the model and the shared experts of an MoE layer.
+
+Legend: T tokens, D model width, F hidden width. Gate and up are one prefused weight (D -> 2F), so
+the input is read once. n shared experts of width f are one MLP of width n*f: the sum of n gated
+MLPs equals one MLP over their concatenated hidden units.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops.activations import activation, is_gated
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model: int, d_hidden: int, kind: str = "swiglu", clamp: float | None = None,
+                 softcap: float | None = None) -> None:
+        super().__init__()
+        self.kind, self.clamp, self.softcap = kind, clamp, softcap
+        width = 2 * d_hidden if is_gated(kind) else d_hidden
+        self.gate_up = nn.Linear(d_model, width, bias=False)
+        self.down = nn.Linear(d_hidden, d_model, bias=False)
+        nn.init.normal_(self.gate_up.weight, std=d_model ** -0.5)
+        nn.init.normal_(self.down.weight, std=d_hidden ** -0.5)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return self.down(activation(self.gate_up(x_TD), self.kind, self.clamp, self.softcap))

@@ -1,0 +1,75 @@
+"""Grouped matrix products over ragged groups of rows.
+
+Legend: R rows in expert order, E experts, D input width, F output width.
+    x_RD       rows, expert-major (group e occupies rows [offsets_E[e-1], offsets_E[e]))
+    w_EDF      one weight matrix per expert
+    offsets_E  int32 group ends, on the device
+
+Backends:
+- `grouped_mm_reference`: a loop over experts. Reads the offsets on the host (a sync), so it is the
+  executable specification and the fallback for tests, never the training path.
+- `grouped_mm`: torch's `grouped_mm` (cuBLAS/CUTLASS on GPU, a native kernel on CPU). One call for all
+  groups, offsets stay on the device. Its constraints: int32 offsets; every row stride a multiple of
+  16 bytes (so D and F multiples of 8 in bf16, of 4 in fp32), handled here by zero-padding the width;
+  the incoming gradient must be contiguous (an expanded gradient such as that of `.sum()` fails), so
+  the output passes through `_ContiguousGrad`. Rows past offsets_E[-1] are left uninitialised: the
+  routing plan never reads them.
+- `padded_bmm`: the capacity layout, every expert holding exactly C rows: one batched matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def has_grouped_mm() -> bool:
+    return _grouped_mm is not None
+
+
+def grouped_mm_reference(x_RD: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    ends = offsets_E.tolist()
+    starts = [0] + ends[:-1]
+    parts = [x_RD[s:e] @ w_EDF[i] for i, (s, e) in enumerate(zip(starts, ends))]
+    tail = x_RD.shape[0] - ends[-1]
+    if tail:
+        parts.append(x_RD.new_zeros(tail, w_EDF.shape[-1]))
+    return torch.cat(parts)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        return g.contiguous()
+
+
+def _pad_to(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def grouped_mm(x_RD: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    if _grouped_mm is None:
+        raise RuntimeError("this torch has no grouped_mm; use backend='loop' or torch >= 2.9")
+    mult = 16 // x_RD.element_size()
+    D, Fo = w_EDF.shape[-2:]
+    Dp, Fp = _pad_to(D, mult), _pad_to(Fo, mult)
+    if Dp != D or Fp != Fo:
+        # Zero columns in x and zero rows in w add nothing to the product; extra output columns
+        # are sliced off. Costs one copy of each operand, only for widths that break alignment.
+        x_RD = F.pad(x_RD, (0, Dp - D))
+        w_EDF = F.pad(w_EDF, (0, Fp - Fo, 0, Dp - D))
+    y = _grouped_mm(x_RD.contiguous(), w_EDF, offs=offsets_E.to(torch.int32))
+    y = _ContiguousGrad.apply(y)
+    return y[:, :Fo] if Fp != Fo else y
+
+
+def padded_bmm(x_RD: torch.Tensor, w_EDF: torch.Tensor, capacity: int) -> torch.Tensor:
+    E = w_EDF.shape[0]
+    y_ECF = torch.bmm(x_RD.view(E, capacity, -1), w_EDF)
+    return y_ECF.view(E * capacity, -1)

@@ -1,0 +1,188 @@
+"""Routing plan, permute (tokens -> expert-ordered rows) and combine (rows -> tokens).
+
+Legend: T tokens, K experts per token, P = T*K (token, slot) pairs, indexed p = t*K + j;
+R rows of the expert-ordered buffer (P plus alignment padding, or E*C in capacity mode); D model width.
+    ids_TK      chosen experts
+    counts_E    pairs routed to each expert (int64)
+    offsets_E   end row of each expert's group in the buffer (int32, cumulative, on the device)
+    row_of_P    buffer row that holds pair p
+    pair_of_R   pair held by row r; P marks a padding row (it reads a zero input row)
+
+Every index here is computed on the device from `ids_TK` with fixed-size ops (bincount, stable sort,
+cumsum, gather), so a plan never needs the host to read counts: the row count R is a static bound
+(P + E*(align-1) when groups are padded to `align` rows), not the exact padded total.
+
+Permute and combine are autograd functions written as gathers in both directions: permute's backward
+gathers each pair's row and sums the K slots in a fixed order, combine's backward gathers pairs back
+into rows. No scatter-add anywhere, so results and gradients are bit-identical from call to call.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RoutingPlan:
+    num_tokens: int
+    top_k: int
+    num_experts: int
+    num_rows: int  # R, static
+    counts_E: torch.Tensor  # int64: pairs routed to each expert (before any drop)
+    offsets_E: torch.Tensor  # int32: group ends in the buffer
+    row_of_P: torch.Tensor  # int64 [P]
+    pair_of_R: torch.Tensor  # int64 [R]; P = padding
+    keep_P: torch.Tensor | None = None  # bool [P]: capacity mode only; False = dropped pair
+    capacity: int | None = None  # rows per expert in capacity mode
+
+    @property
+    def src_R(self) -> torch.Tensor:
+        """Token of each row; T (a zero row) for padding, since P // K == T."""
+        return self.pair_of_R // self.top_k
+
+    def pairs_dropped(self) -> torch.Tensor:
+        if self.keep_P is None:
+            return torch.zeros((), dtype=torch.int64, device=self.row_of_P.device)
+        return (~self.keep_P).sum()
+
+
+def _invert(order_P: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(order_P)
+    inv[order_P] = torch.arange(order_P.numel(), device=order_P.device)
+    return inv
+
+
+def make_plan(ids_TK: torch.Tensor, num_experts: int, align: int = 1) -> RoutingPlan:
+    """Dropless plan: every pair gets a row; groups padded to a multiple of `align` rows."""
+    T, K = ids_TK.shape
+    P = T * K
+    E = num_experts
+    ids_P = ids_TK.reshape(-1)
+    counts_E = torch.bincount(ids_P, minlength=E)
+    # Stable: within an expert, pairs stay in token order (determinism and position-based dropping).
+    order_P = torch.sort(ids_P, stable=True).indices
+    if align == 1:
+        offsets_E = torch.cumsum(counts_E, 0).to(torch.int32)
+        return RoutingPlan(T, K, E, P, counts_E, offsets_E, _invert(order_P), order_P)
+    padded_E = (counts_E + (align - 1)) // align * align
+    ends_E = torch.cumsum(padded_E, 0)
+    start_E = torch.cumsum(counts_E, 0) - counts_E
+    ids_sorted = ids_P[order_P]
+    rank = torch.arange(P, device=ids_P.device) - start_E[ids_sorted]
+    rows_sorted = (ends_E - padded_E)[ids_sorted] + rank
+    R = P + E * (align - 1)  # static bound on sum(padded_E)
+    row_of_P = torch.empty_like(order_P)
+    row_of_P[order_P] = rows_sorted
+    pair_of_R = torch.full((R,), P, dtype=torch.int64, device=ids_P.device)
+    pair_of_R[rows_sorted] = order_P
+    return RoutingPlan(T, K, E, R, counts_E, ends_E.to(torch.int32), row_of_P, pair_of_R)
+
+
+def capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float, align: int = 1) -> int:
+    """C = ceil(capacity_factor * T * K / E), rounded up to the alignment."""
+    c = math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+    return max(align, math.ceil(c / align) * align)
+
+
+def make_capacity_plan(
+    ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    num_experts: int,
+    capacity_factor: float,
+    drop_policy: str = "position",
+    align: int = 1,
+) -> RoutingPlan:
+    """Capacity baseline: each expert gets C rows; pairs past C are dropped, empty rows padded.
+
+    drop_policy "position" keeps an expert's earliest tokens; "score" keeps its highest weights.
+    """
+    T, K = ids_TK.shape
+    P, E = T * K, num_experts
+    C = capacity(T, K, E, capacity_factor, align)
+    ids_P = ids_TK.reshape(-1)
+    counts_E = torch.bincount(ids_P, minlength=E)
+    if drop_policy == "score":
+        by_score = torch.sort(weights_TK.detach().reshape(-1), descending=True, stable=True).indices
+        order_P = by_score[torch.sort(ids_P[by_score], stable=True).indices]
+    elif drop_policy == "position":
+        order_P = torch.sort(ids_P, stable=True).indices
+    else:
+        raise ValueError(f"drop_policy={drop_policy!r}: must be 'position' or 'score'")
+    ids_sorted = ids_P[order_P]
+    start_E = torch.cumsum(counts_E, 0) - counts_E
+    rank = torch.arange(P, device=ids_P.device) - start_E[ids_sorted]
+    keep_sorted = rank < C
+    rows_sorted = torch.where(keep_sorted, ids_sorted * C + rank, 0)
+    R = E * C
+    row_of_P = torch.empty_like(order_P)
+    row_of_P[order_P] = rows_sorted  # dropped pairs point at row 0; combine zeroes their weight
+    keep_P = torch.empty_like(keep_sorted)
+    keep_P[order_P] = keep_sorted
+    pair_of_R = torch.full((R + 1,), P, dtype=torch.int64, device=ids_P.device)
+    # Dropped pairs are sent to the extra row R, which is then cut off.
+    pair_of_R[torch.where(keep_sorted, rows_sorted, R)] = order_P
+    pair_of_R = pair_of_R[:R].clone()
+    offsets_E = (torch.arange(1, E + 1, device=ids_P.device) * C).to(torch.int32)
+    return RoutingPlan(T, K, E, R, counts_E, offsets_E, row_of_P, pair_of_R, keep_P, C)
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD: torch.Tensor, src_R: torch.Tensor, row_of_P: torch.Tensor, top_k: int,
+                padded: bool) -> torch.Tensor:
+        ctx.save_for_backward(row_of_P)
+        ctx.top_k = top_k
+        if padded:
+            x_TD = torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])])
+        return x_TD.index_select(0, src_R)
+
+    @staticmethod
+    def backward(ctx, grad_RD: torch.Tensor):
+        (row_of_P,) = ctx.saved_tensors
+        g_PD = grad_RD.index_select(0, row_of_P)
+        T = row_of_P.numel() // ctx.top_k
+        g_TD = g_PD.view(T, ctx.top_k, -1).sum(1)  # fixed slot order: deterministic
+        return g_TD, None, None, None, None
+
+
+def permute(x_TD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+    """Gather token rows into expert order: x_RD. Padding rows are zeros."""
+    padded = plan.num_rows != plan.num_tokens * plan.top_k or plan.keep_P is not None
+    return _Permute.apply(x_TD, plan.src_R, plan.row_of_P, plan.top_k, padded)
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_RD: torch.Tensor, weights_TK: torch.Tensor, row_of_P: torch.Tensor,
+                pair_of_R: torch.Tensor) -> torch.Tensor:
+        T, K = weights_TK.shape
+        y_TKD = y_RD.index_select(0, row_of_P).view(T, K, -1)
+        w_T1K = weights_TK.to(y_RD.dtype).unsqueeze(1)
+        ctx.save_for_backward(y_TKD, w_T1K, pair_of_R)
+        ctx.w_dtype = weights_TK.dtype
+        return torch.bmm(w_T1K, y_TKD).squeeze(1)
+
+    @staticmethod
+    def backward(ctx, grad_TD: torch.Tensor):
+        y_TKD, w_T1K, pair_of_R = ctx.saved_tensors
+        T, K, D = y_TKD.shape
+        grad_T1D = grad_TD.unsqueeze(1).to(y_TKD.dtype)
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.bmm(grad_T1D, y_TKD.transpose(1, 2)).squeeze(1).to(ctx.w_dtype)
+        grad_y = None
+        if ctx.needs_input_grad[0]:
+            g_PD = (w_T1K.transpose(1, 2) * grad_T1D).view(T * K, D)
+            g_PD = torch.cat([g_PD, g_PD.new_zeros(1, D)])  # row P: padding rows get zero gradient
+            grad_y = g_PD.index_select(0, pair_of_R)
+        return grad_y, grad_w, None, None
+
+
+def combine(y_RD: torch.Tensor, weights_TK: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+    """out_TD = sum_j weights_TK[t, j] * y_RD[row of (t, j)]; dropped pairs count zero."""
+    if plan.keep_P is not None:
+        weights_TK = weights_TK * plan.keep_P.view_as(weights_TK)
+    return _Combine.apply(y_RD, weights_TK, plan.row_of_P, plan.pair_of_R)

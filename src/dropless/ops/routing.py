@@ -1,0 +1,117 @@
+"""Routing as pure functions: scores, (group-limited) top-k, combine weights, router losses.
+
+Legend: T tokens, E experts, K experts per token (top_k), G expert groups.
+    logits_TE  router logits (fp32)
+    scores_TE  score function of the logits (softmax / sigmoid / sqrt(softplus))
+    bias_E     selection-only expert bias (loss-free balancing); never enters the weights
+    ids_TK     chosen experts per token, int64
+    weights_TK combine weights, fp32
+
+Numerics: everything here runs in fp32. A bf16 router flips expert choices on near-ties (bf16 keeps
+8 mantissa bits, so logits 1e-2 apart at magnitude 4 are equal) and such flips were seen to make
+training diverge; the caller casts the input to fp32 before the router GEMM.
+
+Selection is done on `scores + bias` (or `logits + bias` for post-softmax); the weights are always
+gathered from the unbiased scores, so the bias steers load without changing what the experts' outputs
+are multiplied by.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def score_fn(logits_TE: torch.Tensor, score_func: str) -> torch.Tensor:
+    if score_func == "softmax":
+        return torch.softmax(logits_TE, dim=-1)
+    if score_func == "sigmoid":
+        return torch.sigmoid(logits_TE)
+    if score_func == "sqrt_softplus":
+        return torch.sqrt(F.softplus(logits_TE))
+    raise ValueError(f"score_func={score_func!r}: must be one of softmax, sigmoid, sqrt_softplus")
+
+
+def group_limited_mask(sel_TE: torch.Tensor, n_groups: int, topk_groups: int) -> torch.Tensor:
+    """Mask out experts outside the best `topk_groups` groups (DeepSeek-V3).
+
+    Each group is scored by the sum of its two best selection scores (one when a group holds a single
+    expert). Returns `sel_TE` with ineligible experts set to -inf.
+    """
+    if n_groups == 1 or topk_groups == n_groups:
+        return sel_TE
+    T, E = sel_TE.shape
+    sel_TGe = sel_TE.view(T, n_groups, E // n_groups)
+    top = min(2, E // n_groups)
+    group_score_TG = sel_TGe.topk(top, dim=-1).values.sum(-1)
+    keep_TG = torch.zeros_like(group_score_TG, dtype=torch.bool)
+    keep_TG.scatter_(1, group_score_TG.topk(topk_groups, dim=-1).indices, True)
+    masked = sel_TGe.masked_fill(~keep_TG.unsqueeze(-1), float("-inf"))
+    return masked.view(T, E)
+
+
+def topk_route(
+    logits_TE: torch.Tensor,
+    *,
+    top_k: int,
+    score_func: str = "softmax",
+    pre_softmax: bool = True,
+    renormalize: bool = True,
+    scaling_factor: float = 1.0,
+    n_groups: int = 1,
+    topk_groups: int = 1,
+    bias_E: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token-choice top-k routing. Returns (ids_TK, weights_TK, scores_TE).
+
+    `scores_TE` are the probabilities used by the aux loss and the monitor (softmax over all E for
+    softmax routing, whatever `pre_softmax` says).
+    """
+    post_softmax = score_func == "softmax" and not pre_softmax
+    scores_TE = score_fn(logits_TE, score_func)
+    sel_TE = logits_TE if post_softmax else scores_TE
+    if bias_E is not None:
+        sel_TE = sel_TE + bias_E
+    sel_TE = group_limited_mask(sel_TE, n_groups, topk_groups)
+    # topk is deterministic on CPU; ties go to the lower expert index.
+    ids_TK = sel_TE.topk(top_k, dim=-1, sorted=True).indices
+    if post_softmax:
+        weights_TK = torch.softmax(logits_TE.gather(1, ids_TK), dim=-1)
+    else:
+        weights_TK = scores_TE.gather(1, ids_TK)
+        if renormalize and top_k > 1:
+            weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True).clamp_min(1e-20)
+    if scaling_factor != 1.0:
+        weights_TK = weights_TK * scaling_factor
+    return ids_TK, weights_TK, scores_TE
+
+
+def router_probs(scores_TE: torch.Tensor, score_func: str) -> torch.Tensor:
+    """Scores normalised to a distribution over experts (what the aux loss calls P)."""
+    if score_func == "softmax":
+        return scores_TE
+    return scores_TE / scores_TE.sum(-1, keepdim=True).clamp_min(1e-20)
+
+
+def expert_counts(ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Pairs routed to each expert, int64, on the device (no host sync)."""
+    return torch.bincount(ids_TK.reshape(-1), minlength=num_experts)
+
+
+def switch_aux_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Switch-style load-balancing loss, without its coefficient: E * sum_e f_e * P_e.
+
+    f_e = fraction of the T*K routed pairs that went to e (no gradient: it comes from a discrete
+    choice); P_e = mean router probability of e (carries the gradient). Reads 1.0 at perfect balance.
+    Note it also reads its minimum when P is flat at 1/E whatever the real loads: judge balance by
+    MaxVio from real counts, never by this loss.
+    """
+    T, E = probs_TE.shape
+    f_E = counts_E.to(probs_TE.dtype) / max(T * top_k, 1)
+    P_E = probs_TE.mean(0)
+    return E * (f_E * P_E).sum()
+
+
+def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
+    """Router z-loss without its coefficient: mean_T(logsumexp(logits)^2)."""
+    return torch.logsumexp(logits_TE, dim=-1).square().mean()

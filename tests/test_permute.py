@@ -1,0 +1,76 @@
+"""Routing plans: invariants (exact), alignment, capacity; permute and combine gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dropless.ops import permute as P
+
+
+def random_ids(T: int, E: int, K: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+
+
+@pytest.mark.parametrize("T,E,K,align", [(17, 5, 2, 1), (17, 5, 2, 8), (1, 7, 7, 1), (3, 4, 2, 16),
+                                         (40, 7, 1, 4), (64, 13, 3, 32)])
+def test_plan_invariants(T: int, E: int, K: int, align: int) -> None:
+    ids = random_ids(T, E, K)
+    plan = P.make_plan(ids, E, align)
+    Pn = T * K
+    # counts match, offsets are the cumulative (padded) counts, int32
+    assert torch.equal(plan.counts_E, torch.bincount(ids.view(-1), minlength=E))
+    padded = (plan.counts_E + align - 1) // align * align
+    assert plan.offsets_E.dtype == torch.int32
+    assert torch.equal(plan.offsets_E.long(), torch.cumsum(padded, 0))
+    assert plan.num_rows >= int(plan.offsets_E[-1])
+    # every pair sits in exactly one row, inside its expert's group
+    assert torch.equal(torch.sort(plan.row_of_P).values, torch.unique(plan.row_of_P))
+    assert torch.equal(plan.pair_of_R[plan.row_of_P], torch.arange(Pn))
+    real = plan.pair_of_R < Pn
+    assert int(real.sum()) == Pn
+    ends = plan.offsets_E.long()
+    starts = ends - padded
+    e_of_P = ids.view(-1)
+    assert bool((plan.row_of_P >= starts[e_of_P]).all() and (plan.row_of_P < ends[e_of_P]).all())
+    # within an expert the pairs keep token order (stable sort)
+    for e in range(E):
+        pairs = plan.pair_of_R[starts[e]:ends[e]]
+        pairs = pairs[pairs < Pn]
+        assert torch.equal(pairs, torch.sort(pairs).values)
+
+
+def test_permute_combine_round_trip_and_gradients() -> None:
+    T, E, K, D = 11, 5, 3, 6
+    ids = random_ids(T, E, K, seed=3)
+    plan = P.make_plan(ids, E, align=4)
+    x = torch.randn(T, D, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(T, K, dtype=torch.float64, requires_grad=True)
+    x_RD = P.permute(x, plan)
+    pad = plan.pair_of_R == T * K
+    assert torch.count_nonzero(x_RD[pad]) == 0
+    out = P.combine(x_RD, w, plan)
+    assert torch.allclose(out, w.sum(1, keepdim=True) * x)
+    torch.autograd.gradcheck(lambda x, w: P.combine(P.permute(x, plan) * 2.0, w, plan), (x, w))
+
+
+def test_capacity_plan_drops_and_pads() -> None:
+    # 6 tokens all on expert 0 with K=1, E=2, factor 1.0 -> C = 3: three kept, three dropped.
+    ids = torch.zeros(6, 1, dtype=torch.long)
+    w = torch.tensor([[0.1], [0.9], [0.5], [0.7], [0.2], [0.8]])
+    plan = P.make_capacity_plan(ids, w, 2, 1.0, "position")
+    assert plan.capacity == 3 and plan.num_rows == 6
+    assert plan.keep_P.tolist() == [True, True, True, False, False, False]
+    assert int(plan.pairs_dropped()) == 3
+    by_score = P.make_capacity_plan(ids, w, 2, 1.0, "score")
+    assert by_score.keep_P.tolist() == [False, True, False, True, False, True]
+    # expert 1's rows are all padding
+    assert bool((plan.pair_of_R[3:] == 6).all())
+
+
+def test_capacity_big_enough_drops_nothing() -> None:
+    ids = random_ids(20, 6, 2)
+    plan = P.make_capacity_plan(ids, torch.rand(20, 2), 6, capacity_factor=3.0)
+    assert int(plan.pairs_dropped()) == 0
+    assert plan.capacity == 20  # ceil(3 * 20 * 2 / 6)

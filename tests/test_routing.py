@@ -1,0 +1,83 @@
+"""Routing ops: scores, top-k, group limits, bias for selection only, weights, losses."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dropless.ops import routing
+
+
+def test_score_functions() -> None:
+    logits = torch.tensor([[0.0, 1.0, -2.0]])
+    assert torch.allclose(routing.score_fn(logits, "softmax"), torch.softmax(logits, -1))
+    assert torch.allclose(routing.score_fn(logits, "sigmoid"), 1 / (1 + torch.exp(-logits)))
+    expected = torch.tensor([[math.sqrt(math.log1p(math.exp(v))) for v in (0.0, 1.0, -2.0)]])
+    assert torch.allclose(routing.score_fn(logits, "sqrt_softplus"), expected)
+    with pytest.raises(ValueError, match="score_func='tanh'"):
+        routing.score_fn(logits, "tanh")
+
+
+def test_topk_picks_best_and_renormalises() -> None:
+    logits = torch.tensor([[0.1, 2.0, 1.0, -1.0]])
+    ids, w, scores = routing.topk_route(logits, top_k=2)
+    assert ids.tolist() == [[1, 2]]
+    p = torch.softmax(logits, -1)[0]
+    assert torch.allclose(w, torch.stack([p[1], p[2]]).unsqueeze(0) / (p[1] + p[2]))
+    _, w_raw, _ = routing.topk_route(logits, top_k=2, renormalize=False, scaling_factor=2.5)
+    assert torch.allclose(w_raw, 2.5 * torch.stack([p[1], p[2]]).unsqueeze(0))
+
+
+def test_post_softmax_normalises_over_the_k_logits() -> None:
+    logits = torch.tensor([[0.1, 2.0, 1.0, -1.0]])
+    _, w, _ = routing.topk_route(logits, top_k=2, pre_softmax=False)
+    assert torch.allclose(w, torch.softmax(torch.tensor([[2.0, 1.0]]), -1))
+
+
+def test_bias_changes_selection_not_weights() -> None:
+    logits = torch.tensor([[0.0, 1.0, 0.5]])
+    bias = torch.tensor([10.0, 0.0, 0.0])
+    ids, w, scores = routing.topk_route(logits, top_k=1, bias_E=bias, renormalize=False)
+    assert ids.tolist() == [[0]]
+    # weight is expert 0's unbiased softmax probability, not anything the bias produced
+    assert torch.allclose(w, torch.softmax(logits, -1)[:, :1])
+
+
+def test_group_limited_routing() -> None:
+    # 4 groups of 2 experts. Group scores (sum of top-2): g0=0.2, g1=1.7, g2=1.0, g3=0.9.
+    # topk_groups=2 keeps g1 and g2, so expert 6 (score 0.8, best outside them) is ineligible.
+    scores = torch.tensor([[0.1, 0.1, 0.9, 0.8, 0.5, 0.5, 0.85, 0.05]])
+    masked = routing.group_limited_mask(scores, n_groups=4, topk_groups=2)
+    assert torch.isinf(masked[0, [0, 1, 6, 7]]).all()
+    assert torch.equal(masked[0, 2:6], scores[0, 2:6])
+    ids, _, _ = routing.topk_route(torch.log(scores), top_k=3, score_func="softmax",
+                                   n_groups=4, topk_groups=2)
+    assert sorted(ids[0].tolist()) == [2, 3, 4]
+
+
+def test_z_loss_and_aux_loss_values() -> None:
+    logits = torch.tensor([[0.0, 0.0], [1.0, -1.0]])
+    lse = torch.logsumexp(logits, -1)
+    assert torch.allclose(routing.z_loss(logits), (lse ** 2).mean())
+    probs = torch.softmax(logits, -1)
+    counts = torch.tensor([2, 0])
+    aux = routing.switch_aux_loss(probs, counts, top_k=1)
+    assert torch.allclose(aux, 2 * (1.0 * probs[:, 0].mean() + 0.0))
+    # perfectly balanced counts and flat probabilities give 1.0
+    flat = torch.full((4, 4), 0.25)
+    assert torch.allclose(routing.switch_aux_loss(flat, torch.tensor([1, 1, 1, 1]), 1), torch.tensor(1.0))
+
+
+def test_aux_loss_gradient_flows_only_through_probabilities() -> None:
+    logits = torch.randn(8, 4, requires_grad=True)
+    ids, _, scores = routing.topk_route(logits, top_k=2)
+    aux = routing.switch_aux_loss(scores, routing.expert_counts(ids, 4), 2)
+    aux.backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0
+
+
+def test_router_probs_for_sigmoid_sum_to_one() -> None:
+    s = torch.sigmoid(torch.randn(5, 6))
+    assert torch.allclose(routing.router_probs(s, "sigmoid").sum(-1), torch.ones(5))
