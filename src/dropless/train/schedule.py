@@ -83,6 +83,7 @@ def lr_at(
     decay_steps = round(decay_fraction * total_steps)
     if decay_steps == 0:
         return base_lr
-    decay_start = max(warmup_steps, total_steps - decay_steps)
+    # decay_steps steps below base_lr, the last of them (step total_steps - 1) exactly at min_lr.
+    decay_start = max(warmup_steps, last - decay_steps)
     p = _progress(step, decay_start, last)
     return base_lr - (base_lr - min_lr) * p
