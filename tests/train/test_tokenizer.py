@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from dropless.train.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
@@ -78,3 +79,25 @@ def test_load_tokenizer_errors() -> None:
         load_tokenizer("bpe", None)
     with pytest.raises(ValueError, match="path"):
         load_tokenizer("hf", None)
+
+
+def test_hf_malformed_file(tmp_path: Path) -> None:
+    pytest.importorskip("tokenizers")
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot parse"):
+        HFTokenizer(tmp_path)
+
+
+def test_hf_tokenizer_through_data_pipeline(tmp_path: Path) -> None:
+    from dropless.train.data import get_batch, load_splits, token_dtype
+
+    tok = HFTokenizer(_write_hf_tokenizer(tmp_path))
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(30):
+        (docs / f"{i}.txt").write_text("hello world of words " * 5)
+    train, val = load_splits([docs], tok, val_fraction=0.2)
+    assert train.dtype == token_dtype(tok.vocab_size)  # 60 ids fit in uint8; >256 would be int32
+    assert val.numel() > 0
+    x, y = get_batch(train, 0, 0, 2, 8, seed=0)
+    assert x.dtype == torch.int64 and int(x.max()) < tok.vocab_size

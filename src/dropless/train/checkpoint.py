@@ -118,7 +118,9 @@ def save_checkpoint(
     if not isinstance(state, dict):
         raise ValueError(f"save_checkpoint: state must be a dict, got {type(state).__name__}")
     if keep_last is not None and keep_last < 1:
-        raise ValueError(f"save_checkpoint: keep_last must be >= 1 or None, got keep_last={keep_last}")
+        raise ValueError(
+            f"save_checkpoint: keep_last must be >= 1 or None, got keep_last={keep_last}"
+        )
     name = checkpoint_name(step)
     ckpt_dir = Path(run_dir) / CHECKPOINT_DIR
     ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -166,7 +168,9 @@ def load_checkpoint(
     p = Path(path)
     if p.is_dir():
         if not (p / COMPLETE_MARKER).is_file():
-            raise ValueError(f"load_checkpoint: {str(p)!r} has no {COMPLETE_MARKER} marker (unfinished save)")
+            raise ValueError(
+                f"load_checkpoint: {str(p)!r} has no {COMPLETE_MARKER} marker (unfinished save)"
+            )
         p = p / STATE_FILE
     if not p.is_file():
         raise FileNotFoundError(f"load_checkpoint: no checkpoint at path={str(path)!r}")

@@ -83,7 +83,9 @@ class HFTokenizer:
         try:
             self._tok = tokenizers.Tokenizer.from_file(str(p))
         except Exception as e:  # the Rust side raises a bare Exception on malformed files
-            raise ValueError(f"HFTokenizer: cannot parse tokenizer file path={str(p)!r}: {e}") from e
+            raise ValueError(
+                f"HFTokenizer: cannot parse tokenizer file path={str(p)!r}: {e}"
+            ) from e
         self.path = p
 
     @property
@@ -109,6 +111,8 @@ def load_tokenizer(kind: str, path: str | None = None) -> ByteTokenizer | HFToke
         return ByteTokenizer()
     if kind == "hf":
         if not path:
-            raise ValueError("load_tokenizer: kind='hf' needs path (a tokenizer.json), got path=None")
+            raise ValueError(
+                "load_tokenizer: kind='hf' needs path (a tokenizer.json), got path=None"
+            )
         return HFTokenizer(path)
     raise ValueError(f"load_tokenizer: unknown kind={kind!r}; expected one of {TOKENIZER_KINDS}")
