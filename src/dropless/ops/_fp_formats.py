@@ -92,7 +92,7 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
     """(..., 2n) uint8 codes -> (..., n) bytes: even element in the low nibble, odd in the high."""
     if codes.shape[-1] % 2:
         raise ValueError(f"pack_fp4 needs an even last dim, got shape {tuple(codes.shape)}")
-    pairs = codes.reshape(*codes.shape[:-1], -1, 2)
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
     return (pairs[..., 0] & 0xF) | ((pairs[..., 1] & 0xF) << 4)
 
 
@@ -100,7 +100,7 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """(..., n) bytes -> (..., 2n) uint8 codes; exact inverse of `pack_fp4`."""
     lo = packed & 0xF
     hi = (packed >> 4) & 0xF
-    return torch.stack([lo, hi], dim=-1).reshape(*packed.shape[:-1], -1)
+    return torch.stack([lo, hi], dim=-1).flatten(-2)
 
 
 def floor_log2(x: torch.Tensor) -> torch.Tensor:

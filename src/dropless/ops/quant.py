@@ -156,7 +156,7 @@ def quantize(x: torch.Tensor, fmt: str, dim: int = -1) -> QTensor:
         return _quantize_weight(x)
     elem, block = FORMATS[fmt]
     x_last = x.float().movedim(dim, -1)  # (..., D): blocked dim last
-    x_blk = x_last.reshape(*x_last.shape[:-1], -1, block)  # (..., D/block, block)
+    x_blk = x_last.reshape(*x_last.shape[:-1], x_last.shape[-1] // block, block)  # (..., D/block, block)
     bad = ~torch.isfinite(x_blk).all(dim=-1, keepdim=True)  # (..., D/block, 1): NaN/Inf in block
     amax = torch.where(bad, 0.0, x_blk.abs()).amax(dim=-1, keepdim=True)  # (..., D/block, 1)
 
@@ -170,10 +170,10 @@ def quantize(x: torch.Tensor, fmt: str, dim: int = -1) -> QTensor:
         global_scale = torch.where(amax_t > 0, amax_t / _NVFP4_TENSOR_DIVISOR, 1.0)
         scale = cast_e4m3(torch.where(bad, float("nan"), amax / E2M1_MAX / global_scale))
         denom = scale.float() * global_scale
-        scaled = torch.where(denom > 0, x_blk / denom, 0.0)
+        scaled = torch.where(denom > 0, x_blk / denom, x_blk)  # zero scale: block is all +-0
     else:  # fp8_blockwise_act
         scale = torch.where(bad, float("nan"), amax / E4M3_MAX)
-        scaled = torch.where(scale > 0, x_blk / scale, 0.0)
+        scaled = torch.where(scale > 0, x_blk / scale, x_blk)  # zero scale: block is all +-0
 
     scaled = torch.where(bad, 0.0, scaled)  # the NaN scale alone marks a non-finite block
     data = _cast_elements(scaled, elem).reshape(x_last.shape)  # (..., D)
@@ -198,7 +198,7 @@ def _quantize_weight(w: torch.Tensor) -> QTensor:
     bad = ~torch.isfinite(w_blk).all(dim=-1, keepdim=True).all(dim=-3, keepdim=True)
     amax = torch.where(bad, 0.0, w_blk.abs()).amax(dim=(-3, -1), keepdim=True)  # (..., M/b, 1, N/b, 1)
     scale = torch.where(bad, float("nan"), amax / E4M3_MAX)
-    scaled = torch.where(bad, 0.0, torch.where(scale > 0, w_blk / scale, 0.0))
+    scaled = torch.where(bad, 0.0, torch.where(scale > 0, w_blk / scale, w_blk))
     return QTensor(
         data=cast_e4m3(scaled).reshape(w.shape),
         scale=scale.reshape(*lead, m // b, n // b),
@@ -224,7 +224,7 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     elem, block = FORMATS[q.fmt]
     data_last = q.data.movedim(q.dim, -1)  # (..., D) or (..., D/2) packed
     vals = decode_e2m1(unpack_fp4(data_last)) if elem == "e2m1" else data_last.float()  # (..., D)
-    vals = vals.reshape(*vals.shape[:-1], -1, block)  # (..., D/block, block)
+    vals = vals.reshape(*vals.shape[:-1], vals.shape[-1] // block, block)  # (..., D/block, block)
     scale_last = q.scale.movedim(q.dim, -1).unsqueeze(-1)  # (..., D/block, 1)
     if q.fmt.startswith("mx"):
         out = vals * decode_e8m0(scale_last)
@@ -233,7 +233,7 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         out = vals * scale_last.float() * q.global_scale
     else:
         out = vals * scale_last
-    return out.reshape(*out.shape[:-2], -1).movedim(-1, q.dim).to(dtype)
+    return out.flatten(-2).movedim(-1, q.dim).to(dtype)
 
 
 def fake_quantize(x: torch.Tensor, fmt: str, dim: int = -1) -> torch.Tensor:
