@@ -33,9 +33,9 @@ INF = float("inf")
 # what the scale recipe costs. Measured (torch 2.13 CPU) in brackets; floors sit ~2 dB below so a
 # different RNG stream passes but a real regression (one lost mantissa bit = 6 dB) fails.
 SQNR_FLOOR_DB: dict[str, float] = {
-    "mxfp8_e4m3": 28.5,  # [30.7] 3 mantissa bits; the power-of-two scale leaves part of the top binade unused
+    "mxfp8_e4m3": 28.5,  # [30.7] 3 mantissa bits; a power-of-two scale leaves amax anywhere in a binade
     "mxfp8_e5m2": 23.5,  # [25.4] 2 mantissa bits: ~6 dB under E4M3
-    "mxfp4": 17.0,  # [18.8] E2M1 has 1 mantissa bit and only 8 magnitudes; floor(log2) scale wastes range
+    "mxfp4": 17.0,  # [18.8] 1 mantissa bit, 8 magnitudes; a power-of-two scale fits amax loosely
     "nvfp4": 18.5,  # [20.4] same elements, but blocks of 16 and a fine E4M3 scale fit amax to 6 closely
     "fp8_blockwise_act": 30.0,  # [31.8] E4M3 with an exact fp32 scale: amax maps to 448 exactly
     "fp8_blockwise_weight": 30.0,  # [31.6] as above; 128x128 blocks have larger amax, slightly worse
@@ -159,8 +159,9 @@ def test_saturation_above_max_times_scale() -> None:
     # Block amax 500 -> E4M3 scale 2^0; 500 and 480 exceed 448 * 1 and clamp to 448 with sign kept.
     x = _block([500.0, -480.0, 3.0], 32)
     assert fake_quantize(x, "mxfp8_e4m3")[:3].tolist() == [448.0, -448.0, 3.0]
-    # E5M2: 60000 is past the 57344/61440 midpoint, so plain RNE would give 61440 -> Inf; we clamp.
-    x = _block([60000.0, -60000.0], 32)
+    # E5M2 (amax 62000 -> scale 2^0): the neighbours of 62000 are 57344 and 2^16, which is already the
+    # Inf encoding; IEEE RNE sends anything >= the midpoint 61440 to Inf. We clamp to 57344 instead.
+    x = _block([62000.0, -62000.0], 32)
     assert fake_quantize(x, "mxfp8_e5m2")[:2].tolist() == [57344.0, -57344.0]
     # E2M1: amax 7.9 -> scale 1 (floor(log2 7.9) = 2); 7.9 and 6.5 clamp to 6.
     x = _block([7.9, -6.5, 1.5], 32)

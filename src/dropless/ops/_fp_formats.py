@@ -15,8 +15,9 @@ Formats (the OCP MX v1.0 element and scale types, plus what torch gives us for f
 Rounding is round-to-nearest, ties-to-even (RNE) everywhere. Overflow saturates to the largest finite
 value: that is what the MX spec asks for E4M3/E2M1 elements, and for E5M2 we choose it too, because an
 Inf produced by rounding a finite input would poison a whole GEMM output row for one outlier. torch's
-`.to(float8_*)` casts do RNE, but whether they saturate differs by dtype and version (E5M2 overflows to
-Inf), so we always clamp first and never rely on the cast's overflow behaviour. NaN inputs are passed
+`.to(float8_*)` casts do RNE, but overflow differs by dtype and version (torch 2.13 on CPU saturates
+E4M3 yet sends E5M2 inputs >= 61440 to Inf; other versions and devices have given NaN for E4M3), so we
+always clamp first and never rely on the cast's overflow behaviour. NaN inputs are passed
 through as NaN where the format has one; E2M1 has none, so callers carry NaN in the block scale.
 
 E2M1 code layout: bit 3 is the sign, bits 0..2 index the magnitude table `E2M1_VALUES`. Two codes

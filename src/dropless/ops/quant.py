@@ -11,14 +11,16 @@ emulation that the grouped GEMM uses when no low-precision kernel is present.
 
 Formats (`fmt`), all blocked along `dim` unless noted:
 
-| fmt                   | element | block        | scale                                  | bits/elem |
-|-----------------------|---------|--------------|----------------------------------------|-----------|
-| mxfp8_e4m3            | E4M3    | 32           | E8M0 (power of two)                    | 8.25      |
-| mxfp8_e5m2            | E5M2    | 32           | E8M0                                   | 8.25      |
-| mxfp4                 | E2M1    | 32           | E8M0                                   | 4.25      |
-| nvfp4                 | E2M1    | 16           | E4M3 per block, times one fp32/tensor  | 4.5       |
-| fp8_blockwise_act     | E4M3    | 1x128        | fp32 = amax / 448                      | 8.25      |
-| fp8_blockwise_weight  | E4M3    | 128x128 over the last two dims (`dim` unused) | fp32 = amax / 448 | ~8 |
+| fmt                   | element | block                   | scale                         | bits/elem |
+|-----------------------|---------|-------------------------|-------------------------------|-----------|
+| mxfp8_e4m3            | E4M3    | 32                      | E8M0 (power of two)           | 8.25      |
+| mxfp8_e5m2            | E5M2    | 32                      | E8M0                          | 8.25      |
+| mxfp4                 | E2M1    | 32                      | E8M0                          | 4.25      |
+| nvfp4                 | E2M1    | 16                      | E4M3/block, one fp32/tensor   | 4.5       |
+| fp8_blockwise_act     | E4M3    | 1x128                   | fp32 = amax / 448             | 8.25      |
+| fp8_blockwise_weight  | E4M3    | 128x128, last two dims  | fp32 = amax / 448             | ~8        |
+
+(`dim` is ignored for fp8_blockwise_weight.)
 
 Scale choice.
 * MX (OCP MX v1.0): scale = 2^(floor(log2(amax)) - emax_elem), emax_elem = 8 (E4M3), 15 (E5M2),
@@ -31,9 +33,10 @@ Scale choice.
   maps the largest block scale to the top of E4M3's range, so the E4M3 scale's 3 mantissa bits are
   spent on the ratio between blocks; elements are x / (s_b * s_t). The block scale is rounded, so an
   element can land a little above 6 and saturates there.
-* FP8 blockwise (DeepSeek-V3): s = amax / 448 in fp32, exact enough that nothing saturates; tiles of
-  1x128 for activations (a row slice along the reduction dim) and 128x128 for weights, so a weight
-  block's scale can be applied outside the inner loop for either GEMM orientation.
+* FP8 blockwise (DeepSeek-V3): s = amax / 448 in fp32, so amax maps to 448 up to one fp32 rounding
+  (clamped if it lands a hair above) and no binade is wasted. Activations use 1x128 tiles along the
+  reduction dim; weights use 128x128 blocks, which are square, so the same scales serve W in the
+  forward GEMM and W^T in the backward one without requantising.
 
 Rounding: round-to-nearest, ties-to-even for elements and for the NVFP4 E4M3 scale; fp32 arithmetic
 throughout (the input is upcast first). Saturation: out-of-range elements clamp to +-max of their
@@ -43,13 +46,15 @@ Special values.
 * Zero: an all-zero block gets a finite scale (MX: the smallest, 2^-127, the formula's -inf clamped;
   NVFP4 / blockwise: 0) and decodes to exact zeros. Signed zero survives for E4M3/E5M2/E2M1 elements.
 * NaN or Inf anywhere in a block: that block's scale is NaN (E8M0 0xFF, E4M3 NaN, or fp32 NaN) and its
-  elements are stored as 0, so the *whole block* dequantises to NaN. The MX spec says a NaN in a block
-  may make the shared scale NaN; we treat Inf the same because E4M3 and E2M1 cannot hold it and
-  silently saturating an Inf to 448 * scale would hide an overflow. A non-finite value in an expert GEMM
-  is a bug upstream, and NaN-ing its block (never the whole tensor) keeps it loud and local. NVFP4's
-  per-tensor amax ignores non-finite values for the same reason.
-* Tiny values: below the element format's smallest subnormal (after scaling) they round to 0; MX
-  scales below 2^-127 clamp, so a block entirely below ~2^-136 (E4M3) flushes to zero.
+  elements are stored as 0, so the *whole block* dequantises to NaN. In MX a NaN scale (0xFF) decodes
+  its whole block to NaN, and E2M1 has no NaN of its own, so the scale is the only place a NaN can
+  live; we use the same carrier in every format. Inf is treated alike because E4M3/E2M1 cannot hold
+  it and silently saturating an Inf to 448 * scale would hide an overflow. A non-finite value in an
+  expert GEMM is a bug upstream, and NaN-ing its block (never the whole tensor) keeps it loud and
+  local. NVFP4's per-tensor amax ignores non-finite values for the same reason.
+* Tiny values: below half the element format's smallest subnormal (after scaling) they round to 0.
+  MX scales clamp at 2^-127, so an E4M3 block with amax under 2^-137 (half of 2^-127 * 2^-9) flushes to
+  zero. NVFP4 flushes a block whose E4M3 scale underflows (amax_block below ~2^-10 * 6 * s_t).
 
 Layout. `data` keeps x's shape (fp8 formats) or halves `dim` (fp4: two E2M1 codes per byte, element 2i
 in the low nibble). `scale` has x's shape with `dim` divided by the block (weights: the last two dims
@@ -211,7 +216,7 @@ def _quantize_weight(w: torch.Tensor) -> QTensor:
 
 
 def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of `quantize`: element * block scale (* tensor scale), computed in fp32, cast to `dtype`."""
+    """Inverse of `quantize`: element * block scale (* tensor scale) in fp32, then cast to `dtype`."""
     if q.fmt not in FORMATS:
         raise ValueError(f"unknown quantisation format fmt={q.fmt!r}; expected one of {sorted(FORMATS)}")
     if q.fmt == "fp8_blockwise_weight":
@@ -237,5 +242,5 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
 
 def fake_quantize(x: torch.Tensor, fmt: str, dim: int = -1) -> torch.Tensor:
-    """dequantize(quantize(x)) in x's dtype: the numbers a low-precision GEMM would see, on any device."""
+    """dequantize(quantize(x)) in x's dtype: the numbers a low-precision GEMM would see, anywhere."""
     return dequantize(quantize(x, fmt, dim), dtype=x.dtype)
