@@ -1,0 +1,201 @@
+"""Atomic checkpoints and RNG state capture.
+
+Layout under a run directory:
+
+    run_dir/checkpoints/
+        step_000123/state.pt      torch.save of the caller's dict
+        step_000123/COMPLETE      the marker: a checkpoint without it does not exist
+        latest                    text: the name of the newest saved checkpoint, for people and tools
+        .tmp-step_000456-<pid>/   an unfinished save (a crash); ignored, safe to delete
+
+Design notes
+- A crash (OOM kill, preemption, full disk) can happen at any byte of a save. The save therefore
+  writes everything into a hidden temporary folder, fsyncs the files and the folder, writes the
+  `COMPLETE` marker last, fsyncs again, and only then renames the folder to `step_XXXXXX`. A rename
+  within one filesystem is atomic, so a reader sees either no checkpoint or a whole one; fsync before
+  the rename stops the kernel from persisting the rename before the data (the classic
+  zero-length-file-after-power-loss). The `latest` pointer is replaced the same way (tmp + os.replace).
+- `latest_checkpoint` does not trust `latest`: it scans for `step_*` folders that have the marker
+  and a `state.pt`, and returns the highest step. A crash between the folder rename and the pointer
+  update then costs nothing; the pointer is a convenience, not the source of truth.
+- Saving a step that already exists (re-running from an earlier checkpoint) moves the old folder
+  aside, renames the new one in, then deletes the old one. In the gap between those renames the step
+  is briefly absent, never half-written.
+- Only one process should save into a run directory (rank 0, or one directory per rank);
+  the pid in the temporary name just keeps two accidental writers from sharing a folder.
+- `load_checkpoint` uses `torch.load(weights_only=True)` by default: tensors, dicts, lists, tuples,
+  numbers and strings load; arbitrary pickled objects do not. Store configs as plain dicts.
+- `rng_state()` / `set_rng_state()` cover torch CPU, every visible CUDA device and Python's
+  `random`. The data sampler needs none of this (its batches are a function of the step; see
+  `data.py`); it is for dropout and anything else that draws from the global generators.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CHECKPOINT_DIR",
+    "COMPLETE_MARKER",
+    "STATE_FILE",
+    "checkpoint_name",
+    "save_checkpoint",
+    "list_checkpoints",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "rng_state",
+    "set_rng_state",
+]
+
+CHECKPOINT_DIR = "checkpoints"
+COMPLETE_MARKER = "COMPLETE"
+STATE_FILE = "state.pt"
+LATEST_FILE = "latest"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+def checkpoint_name(step: int) -> str:
+    if step < 0:
+        raise ValueError(f"checkpoint step must be >= 0, got step={step}")
+    return f"step_{step:06d}"
+
+
+def _fsync_dir(path: Path) -> None:
+    # Directory fsync persists the entries (new names) inside it; not supported on Windows.
+    if os.name == "nt":
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / COMPLETE_MARKER).is_file() and (path / STATE_FILE).is_file()
+
+
+def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint under run_dir, oldest first."""
+    ckpt_dir = Path(run_dir) / CHECKPOINT_DIR
+    if not ckpt_dir.is_dir():
+        return []
+    found: list[tuple[int, Path]] = []
+    for p in ckpt_dir.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and p.is_dir() and _is_complete(p):
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step, or None when there is none."""
+    found = list_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+def save_checkpoint(
+    run_dir: str | Path, step: int, state: dict[str, Any], *, keep_last: int | None = None
+) -> Path:
+    """Atomically write `state` as run_dir/checkpoints/step_XXXXXX; return that folder.
+
+    keep_last: after a successful save, delete all but the newest `keep_last` complete checkpoints.
+    """
+    if not isinstance(state, dict):
+        raise ValueError(f"save_checkpoint: state must be a dict, got {type(state).__name__}")
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(
+            f"save_checkpoint: keep_last must be >= 1 or None, got keep_last={keep_last}"
+        )
+    name = checkpoint_name(step)
+    ckpt_dir = Path(run_dir) / CHECKPOINT_DIR
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+
+    tmp = ckpt_dir / f".tmp-{name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    with open(tmp / STATE_FILE, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _write_file_synced(tmp / COMPLETE_MARKER, f"{step}\n".encode())
+    _fsync_dir(tmp)
+
+    final = ckpt_dir / name
+    if final.exists():
+        old = ckpt_dir / f".old-{name}-{os.getpid()}"
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(ckpt_dir)
+
+    latest_tmp = ckpt_dir / f".{LATEST_FILE}-{os.getpid()}"
+    _write_file_synced(latest_tmp, f"{name}\n".encode())
+    os.replace(latest_tmp, ckpt_dir / LATEST_FILE)
+    _fsync_dir(ckpt_dir)
+
+    if keep_last is not None:
+        for _, path in list_checkpoints(run_dir)[:-keep_last]:
+            # Remove the marker first: if deletion is interrupted, the leftover is not "complete".
+            (path / COMPLETE_MARKER).unlink(missing_ok=True)
+            shutil.rmtree(path)
+    return final
+
+
+def load_checkpoint(
+    path: str | Path, map_location: str | torch.device = "cpu", *, weights_only: bool = True
+) -> dict[str, Any]:
+    """Load a checkpoint folder (or its state.pt); refuses folders without the COMPLETE marker."""
+    p = Path(path)
+    if p.is_dir():
+        if not (p / COMPLETE_MARKER).is_file():
+            raise ValueError(
+                f"load_checkpoint: {str(p)!r} has no {COMPLETE_MARKER} marker (unfinished save)"
+            )
+        p = p / STATE_FILE
+    if not p.is_file():
+        raise FileNotFoundError(f"load_checkpoint: no checkpoint at path={str(path)!r}")
+    state = torch.load(p, map_location=map_location, weights_only=weights_only)
+    if not isinstance(state, dict):
+        raise ValueError(f"load_checkpoint: {str(p)!r} holds {type(state).__name__}, expected dict")
+    return state
+
+
+def rng_state() -> dict[str, Any]:
+    """The global RNG states: torch CPU, each CUDA device (if available), Python `random`."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `rng_state()` captured. CUDA states are restored for the devices both have."""
+    for key in ("torch", "python"):
+        if key not in state:
+            raise ValueError(f"set_rng_state: state has no {key!r} entry (keys: {sorted(state)})")
+    torch.set_rng_state(state["torch"].cpu())
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))  # a load may turn the tuple into a list
+    if "cuda" in state and torch.cuda.is_available():
+        for device, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s.cpu(), device)

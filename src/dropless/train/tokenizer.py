@@ -1,0 +1,118 @@
+"""Tokenizers: a zero-dependency byte tokenizer and a thin wrapper over a local HF `tokenizer.json`.
+
+Design notes
+- The byte tokenizer is the default because it needs no download, no file and no vocabulary
+  decisions: every string (and every byte sequence, via `encode_bytes`) maps to ids 0..255, so a
+  training run on the embedded corpus works offline on any machine. With `vocab_size == 256` the
+  data pipeline stores tokens as uint8 (see `data.py`), a quarter of the int32 footprint.
+- `decode` uses `errors="replace"`: a model sampling byte ids can emit invalid UTF-8, and decoding
+  its output must never raise.
+- `HFTokenizer` only ever reads a local file. `tokenizers` is an optional dependency, imported
+  lazily in `_import_tokenizers` (the one place) with an error that says what to install.
+- Both classes expose the same small surface (`vocab_size`, `encode`, `decode`); nothing else in
+  the library may depend on more than that, so a new tokenizer only has to provide these three.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "load_tokenizer", "TOKENIZER_KINDS"]
+
+TOKENIZER_KINDS = ("byte", "hf")
+
+
+class Tokenizer(Protocol):
+    """What the training code needs from a tokenizer."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: vocab_size 256, id == byte value."""
+
+    vocab_size: int = 256
+
+    def encode(self, text: str) -> list[int]:
+        # surrogateescape keeps lone surrogates (e.g. from os.fsdecode) encodable instead of raising.
+        return list(text.encode("utf-8", errors="surrogateescape"))
+
+    def encode_bytes(self, data: bytes) -> list[int]:
+        """Any byte string, valid UTF-8 or not, as ids."""
+        return list(data)
+
+    def decode(self, ids: list[int]) -> str:
+        try:
+            data = bytes(ids)
+        except ValueError as e:
+            bad = next(i for i in ids if not 0 <= int(i) < 256)
+            raise ValueError(f"ByteTokenizer.decode: id {bad} is outside [0, 256)") from e
+        return data.decode("utf-8", errors="replace")
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer(vocab_size=256)"
+
+
+def _import_tokenizers() -> Any:
+    try:
+        import tokenizers
+    except ImportError as e:
+        raise ImportError(
+            "HFTokenizer needs the `tokenizers` package: pip install tokenizers "
+            "(or pip install 'dropless[hf]')"
+        ) from e
+    return tokenizers
+
+
+class HFTokenizer:
+    """A local Hugging Face `tokenizer.json` (a file, or a folder containing one); never downloads."""
+
+    def __init__(self, path: str | Path) -> None:
+        p = Path(path)
+        if p.is_dir():
+            p = p / "tokenizer.json"
+        if not p.is_file():
+            raise FileNotFoundError(f"HFTokenizer: no tokenizer.json at path={str(path)!r}")
+        tokenizers = _import_tokenizers()
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(str(p))
+        except Exception as e:  # the Rust side raises a bare Exception on malformed files
+            raise ValueError(
+                f"HFTokenizer: cannot parse tokenizer file path={str(p)!r}: {e}"
+            ) from e
+        self.path = p
+
+    @property
+    def vocab_size(self) -> int:
+        # with_added_tokens=True: added/special tokens can appear in encoded ids, so the embedding
+        # table must cover them.
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str) -> list[int]:
+        # No BOS/EOS here: documents are joined by the data pipeline, which owns the separator.
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=False))
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer(path={str(self.path)!r}, vocab_size={self.vocab_size})"
+
+
+def load_tokenizer(kind: str, path: str | None = None) -> ByteTokenizer | HFTokenizer:
+    """Build a tokenizer by kind: "byte" (path ignored) or "hf" (path to tokenizer.json required)."""
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "hf":
+        if not path:
+            raise ValueError(
+                "load_tokenizer: kind='hf' needs path (a tokenizer.json), got path=None"
+            )
+        return HFTokenizer(path)
+    raise ValueError(f"load_tokenizer: unknown kind={kind!r}; expected one of {TOKENIZER_KINDS}")
