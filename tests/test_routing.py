@@ -81,3 +81,16 @@ def test_aux_loss_gradient_flows_only_through_probabilities() -> None:
 def test_router_probs_for_sigmoid_sum_to_one() -> None:
     s = torch.sigmoid(torch.randn(5, 6))
     assert torch.allclose(routing.router_probs(s, "sigmoid").sum(-1), torch.ones(5))
+
+
+def test_replayed_ids_take_current_weights() -> None:
+    logits = torch.randn(6, 5, requires_grad=True)
+    ids, w, _ = routing.topk_route(logits, top_k=2, scaling_factor=1.5)
+    w2, _ = routing.weights_at(logits, ids, scaling_factor=1.5)
+    assert torch.equal(w, w2)
+    forced = torch.tensor([[4, 0]] * 6)
+    w3, _ = routing.weights_at(logits, forced)
+    p = torch.softmax(logits, -1)
+    assert torch.allclose(w3[:, 0], p[:, 4] / (p[:, 4] + p[:, 0]))
+    w3.sum().backward()
+    assert logits.grad is not None

@@ -54,10 +54,12 @@ class MoELayer(nn.Module):
         self.dispatcher: Dispatcher = dispatcher or LocalDispatcher(
             cfg.num_experts, cfg.align, cfg.capacity_factor, cfg.drop_policy)
 
-    def forward(self, x: torch.Tensor) -> MoEOutput:
+    def forward(self, x: torch.Tensor, replay_ids: torch.Tensor | None = None) -> MoEOutput:
+        """`replay_ids` ([..., K] expert ids, leading dims as x) replaces the router's choice."""
         shape = x.shape
         x_TD = x.reshape(-1, shape[-1])
-        decision = self.router(x_TD)
+        replay_TK = replay_ids.reshape(-1, self.cfg.top_k) if replay_ids is not None else None
+        decision = self.router(x_TD, replay_TK)
         batch, meta = self.dispatcher.dispatch(x_TD, decision.ids_TK, decision.weights_TK)
         y_RD = self.experts(batch)
         y_TD = self.dispatcher.combine(y_RD, meta)

@@ -48,9 +48,19 @@ class Router(nn.Module):
         with torch.autocast(device_type=x_TD.device.type, enabled=False):
             return torch.nn.functional.linear(x_TD.float(), self.weight.float())
 
-    def forward(self, x_TD: torch.Tensor) -> RoutingDecision:
+    def forward(self, x_TD: torch.Tensor, replay_ids_TK: torch.Tensor | None = None) -> RoutingDecision:
+        """Route `x_TD`. With `replay_ids_TK` the expert choices are taken as given (routing replay,
+        forced routing for benchmarks) and only the weights come from this router."""
         logits_TE = self.logits(x_TD)
         c = self.cfg
+        if replay_ids_TK is not None:
+            if replay_ids_TK.shape != (x_TD.shape[0], self.top_k):
+                raise ValueError(f"replay_ids_TK shape {tuple(replay_ids_TK.shape)}: expected "
+                                 f"({x_TD.shape[0]}, {self.top_k})")
+            weights_TK, scores_TE = routing.weights_at(
+                logits_TE, replay_ids_TK, score_func=c.score_func, pre_softmax=c.pre_softmax,
+                renormalize=c.renormalize, scaling_factor=c.scaling_factor)
+            return RoutingDecision(replay_ids_TK, weights_TK, scores_TE, logits_TE)
         ids_TK, weights_TK, scores_TE = routing.topk_route(
             logits_TE, top_k=self.top_k, score_func=c.score_func, pre_softmax=c.pre_softmax,
             renormalize=c.renormalize, scaling_factor=c.scaling_factor, n_groups=c.n_groups,

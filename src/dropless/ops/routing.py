@@ -86,6 +86,34 @@ def topk_route(
     return ids_TK, weights_TK, scores_TE
 
 
+def weights_at(
+    logits_TE: torch.Tensor,
+    ids_TK: torch.Tensor,
+    *,
+    score_func: str = "softmax",
+    pre_softmax: bool = True,
+    renormalize: bool = True,
+    scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights for expert choices made elsewhere (routing replay, forced routing).
+
+    The choices are taken as given; the weights are the current router's scores at those ids,
+    processed exactly as `topk_route` would, so the router still receives a gradient.
+    Returns (weights_TK, scores_TE).
+    """
+    scores_TE = score_fn(logits_TE, score_func)
+    K = ids_TK.shape[1]
+    if score_func == "softmax" and not pre_softmax:
+        weights_TK = torch.softmax(logits_TE.gather(1, ids_TK), dim=-1)
+    else:
+        weights_TK = scores_TE.gather(1, ids_TK)
+        if renormalize and K > 1:
+            weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True).clamp_min(1e-20)
+    if scaling_factor != 1.0:
+        weights_TK = weights_TK * scaling_factor
+    return weights_TK, scores_TE
+
+
 def router_probs(scores_TE: torch.Tensor, score_func: str) -> torch.Tensor:
     """Scores normalised to a distribution over experts (what the aux loss calls P)."""
     if score_func == "softmax":
