@@ -25,6 +25,7 @@ SCORE_FUNCS = ("softmax", "sigmoid", "sqrt_softplus")
 ACTIVATIONS = ("swiglu", "geglu", "relu2")
 BACKENDS = ("auto", "grouped_mm", "loop", "padded_bmm")
 DROP_POLICIES = ("position", "score")
+PRECISIONS = ("bf16", "mxfp8", "fp8_blockwise", "nvfp4", "mxfp4")
 
 
 def _fail(name: str, value: Any, why: str) -> None:
@@ -106,6 +107,7 @@ class MoEConfig:
     align: int = 1  # per-expert row alignment of the routing plan (1 on CPU; 8..128 on GPU/low precision)
     capacity_factor: Optional[float] = None  # None = dropless; a number = capacity baseline
     drop_policy: str = "position"  # capacity mode: which pairs survive ("position" or "score")
+    precision: str = "bf16"  # expert GEMMs: bf16 or a low-precision format (see ops/quant.py)
     router: RouterConfig = field(default_factory=RouterConfig)
     balance: BalanceConfig = field(default_factory=BalanceConfig)
 
@@ -135,6 +137,7 @@ class MoEConfig:
             _fail(f"{prefix}.backend", self.backend,
                   "padded_bmm is the capacity layout; set capacity_factor, or use grouped_mm for dropless")
         _choice(f"{prefix}.drop_policy", self.drop_policy, DROP_POLICIES)
+        _choice(f"{prefix}.precision", self.precision, PRECISIONS)
         if isinstance(self.router, dict):
             self.router = RouterConfig(**self.router)
         if isinstance(self.balance, dict):

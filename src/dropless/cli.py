@@ -1,0 +1,52 @@
+"""The `dropless` command: `dropless train | generate | bench NAME | diagnose`.
+
+Each subcommand lives in its own module and parses its own arguments, so `dropless bench layer -h`
+shows that benchmark's options and importing the CLI stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "train": ("dropless.train.run", "train a model (see --help)"),
+    "generate": ("dropless.train.generate", "sample text from a trained run"),
+    "diagnose": ("dropless.monitor.report", "routing-health report for a run directory"),
+}
+BENCHMARKS = {
+    "layer": "dropless.bench.layer",
+    "ep": "dropless.bench.ep",
+    "balance": "dropless.bench.balance",
+    "precision": "dropless.bench.precision",
+}
+
+
+def usage() -> str:
+    lines = ["usage: dropless COMMAND [options]", "", "commands:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [f"  bench NAME  benchmarks: {', '.join(BENCHMARKS)}"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "bench":
+        if not rest or rest[0] not in BENCHMARKS:
+            print(f"dropless bench: choose one of {', '.join(BENCHMARKS)}", file=sys.stderr)
+            return 2
+        module = importlib.import_module(BENCHMARKS[rest[0]])
+        return int(module.main(rest[1:]) or 0)
+    if cmd not in COMMANDS:
+        print(f"dropless: unknown command {cmd!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[cmd][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
