@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[dev,plots,progress]"
+	$(BIN)/pip install -q -e ".[dev,plots,progress,logging]"
 	touch $(STAMP)
 
 venv: $(STAMP)

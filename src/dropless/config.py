@@ -95,6 +95,8 @@ class BalanceConfig:
 class MoEConfig:
     """One MoE layer: router, experts, dispatch mode."""
 
+    _name = "moe"  # the prefix its own validation messages use
+
     num_experts: int = 8
     top_k: int = 2
     d_expert: int = 128  # f: hidden width of one routed expert
@@ -182,7 +184,16 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
         if dataclasses.is_dataclass(tp) and isinstance(value, dict):
             value = from_dict(tp, value, prefix=f"{name}.")
         kwargs[key] = value
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as err:
+        # A section validates itself under its short name ("moe.top_k=..."); name it by its place in
+        # the tree instead ("model.moe.top_k=...") so the message matches what the user wrote.
+        short = getattr(cls, "_name", None)
+        text = str(err)
+        if short and prefix and text.startswith(short + ".") and prefix != short + ".":
+            raise ValueError(prefix[: -len(short) - 1] + text) from None
+        raise
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
@@ -278,3 +289,152 @@ def dumps_toml(data: dict[str, Any], prefix: str = "") -> str:
         body = dumps_toml(table, prefix=f"{name}.")
         out += f"\n\n[{name}]\n{body}" if body.strip() else ""
     return out.strip() + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The model and the run.
+
+SCHEDULES = ("cosine", "wsd", "constant")
+TOKENIZERS = ("byte", "hf")
+DTYPES = ("bf16", "fp32")
+OPTIMIZERS = ("adamw",)
+
+
+@dataclass
+class ModelConfig:
+    """Decoder-only MoE LM: the first `n_dense_layers` use a dense MLP, the rest an MoE layer."""
+
+    vocab_size: int = 256
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    max_seq_len: int = 256
+    n_dense_layers: int = 1
+    d_ff_dense: int = 512  # hidden width of the dense MLP layers
+    tie_embeddings: bool = True
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):
+            self.moe = from_dict(MoEConfig, self.moe, "model.moe.")
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "d_ff_dense"):
+            _positive(f"model.{name}", getattr(self, name))
+        if self.d_model % self.n_heads:
+            _fail("model.n_heads", self.n_heads, f"does not divide d_model={self.d_model}")
+        if (self.d_model // self.n_heads) % 2:
+            _fail("model.n_heads", self.n_heads, "head width d_model/n_heads must be even for rotary positions")
+        if not 0 <= self.n_dense_layers <= self.n_layers:
+            _fail("model.n_dense_layers", self.n_dense_layers, f"must be in [0, n_layers={self.n_layers}]")
+        if not self.rope_theta > 0:
+            _fail("model.rope_theta", self.rope_theta, "must be > 0")
+        self.moe.validate("model.moe")
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers - self.n_dense_layers
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 600
+    batch_size: int = 16  # sequences per micro-batch
+    seq_len: int = 256
+    grad_accum: int = 1  # micro-batches per optimizer step
+    optimizer: str = "adamw"
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    schedule: str = "cosine"
+    decay_fraction: float = 0.2  # WSD: share of steps spent decaying
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm (0 = off)
+    seed: int = 1337
+    dtype: str = "bf16"  # autocast dtype for the forward pass; master weights stay fp32
+    deterministic: bool = True
+    eval_every: int = 100
+    eval_batches: int = 16
+    ckpt_every: int = 200
+    keep_last: int = 2
+    threads: int = 0  # torch intra-op threads (0 = torch's default)
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_every", "eval_batches",
+                     "ckpt_every", "keep_last"):
+            _positive(f"train.{name}", getattr(self, name))
+        _choice("train.optimizer", self.optimizer, OPTIMIZERS)
+        _choice("train.schedule", self.schedule, SCHEDULES)
+        _choice("train.dtype", self.dtype, DTYPES)
+        if not self.lr > 0:
+            _fail("train.lr", self.lr, "must be > 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            _fail("train.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        if not 0 < self.decay_fraction <= 1:
+            _fail("train.decay_fraction", self.decay_fraction, "must be in (0, 1]")
+        if not 0 <= self.warmup_steps <= self.steps:
+            _fail("train.warmup_steps", self.warmup_steps, f"must be in [0, train.steps={self.steps}]")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                _fail(f"train.{name}", getattr(self, name), "must be in [0, 1)")
+        for name in ("weight_decay", "grad_clip", "threads"):
+            if getattr(self, name) < 0:
+                _fail(f"train.{name}", getattr(self, name), "must be >= 0")
+
+
+@dataclass
+class DataConfig:
+    sources: list[str] = field(default_factory=list)  # files, folders or .jsonl; empty = the stdlib corpus
+    text_field: str = "text"  # JSONL field holding the text
+    tokenizer: str = "byte"
+    tokenizer_path: Optional[str] = None  # a local tokenizer.json for tokenizer="hf"
+    val_fraction: float = 0.05
+    max_bytes: int = 0  # cap on corpus bytes (0 = all)
+
+    def __post_init__(self) -> None:
+        _choice("data.tokenizer", self.tokenizer, TOKENIZERS)
+        if self.tokenizer == "hf" and not self.tokenizer_path:
+            _fail("data.tokenizer_path", self.tokenizer_path, "tokenizer='hf' needs a tokenizer.json path")
+        if not 0 < self.val_fraction < 1:
+            _fail("data.val_fraction", self.val_fraction, "must be in (0, 1)")
+        if self.max_bytes < 0:
+            _fail("data.max_bytes", self.max_bytes, "must be >= 0")
+        if isinstance(self.sources, str):
+            self.sources = [self.sources]
+
+
+@dataclass
+class LogConfig:
+    log_every: int = 10  # steps between host syncs for metrics (and the routing-health record)
+    progress: bool = True  # a progress bar on stderr
+    tensorboard: bool = True  # TensorBoard events, when the tensorboard package is installed
+    plots: bool = True  # PNG plots at the end of the run (needs matplotlib)
+
+    def __post_init__(self) -> None:
+        _positive("log.log_every", self.log_every)
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        if self.train.seq_len > self.model.max_seq_len:
+            _fail("train.seq_len", self.train.seq_len, f"exceeds model.max_seq_len={self.model.max_seq_len}")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """A preset file (or the defaults) with dotted overrides applied, validated."""
+    cfg = from_dict(RunConfig, load_toml(path)) if path is not None else RunConfig()
+    return apply_overrides(cfg, overrides or [])
+
+
+def save_config(cfg: RunConfig, path: str | Path) -> None:
+    Path(path).write_text(dumps_toml(to_dict(cfg)))

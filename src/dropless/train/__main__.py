@@ -1,0 +1,7 @@
+"""`python -m dropless.train ...` is `dropless train ...`."""
+
+import sys
+
+from .run import main
+
+sys.exit(main())

@@ -1,0 +1,235 @@
+"""The training loop: one process, gradient accumulation, bf16 autocast, evaluation, checkpoints.
+
+Per optimizer step: `grad_accum` micro-batches (each `batch_size` x `seq_len` tokens, a pure function
+of (seed, step, micro-step), so a resumed run sees the same batches), forward under autocast with fp32
+master weights, backward of loss / grad_accum, global-norm clipping, AdamW, the learning rate from the
+schedule. The MoE layers' statistics stay on the device and are summed over the step; the host reads
+them (one sync) every `log.log_every` steps, together with the loss.
+
+Resume is exact: a checkpoint holds model, optimizer, step and RNG state; batches and learning rates
+are functions of the step; the logs are cut back to the checkpoint's step before the run goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import RunConfig, save_config, to_dict
+from ..model import MoEModel
+from . import checkpoint as ckpt
+from .data import eval_batches, get_batch, load_splits
+from .optim import build_optimizer
+from .schedule import lr_at
+from .sinks import JsonlLog, Progress, TensorBoard
+from .tokenizer import load_tokenizer
+
+
+def maxvio(counts_E: torch.Tensor) -> torch.Tensor:
+    """max_e load_e / mean_e load_e - 1 (0 = perfect balance), as a device scalar."""
+    c = counts_E.float()
+    return c.max() / c.mean().clamp_min(1e-9) - 1
+
+
+@dataclass
+class StepStats:
+    """Device-side sums over one optimizer step (all micro-batches)."""
+
+    loss: torch.Tensor
+    ce: torch.Tensor
+    moe: torch.Tensor
+    counts: list[torch.Tensor] = field(default_factory=list)  # per MoE layer, summed
+    local_maxvio: list[torch.Tensor] = field(default_factory=list)  # per layer, worst micro-batch
+    dropped: list[torch.Tensor] = field(default_factory=list)
+
+    @classmethod
+    def zeros(cls, n_layers: int, num_experts: int) -> "StepStats":
+        z = lambda: torch.zeros((), dtype=torch.float32)  # noqa: E731
+        return cls(z(), z(), z(), [torch.zeros(num_experts, dtype=torch.int64) for _ in range(n_layers)],
+                   [z() for _ in range(n_layers)], [torch.zeros((), dtype=torch.int64) for _ in range(n_layers)])
+
+    def add(self, out: Any, scale: float) -> None:
+        self.loss += out.loss.detach().float() * scale
+        self.ce += out.ce_loss.detach().float() * scale
+        self.moe += out.moe_loss.detach().float() * scale
+        for i, st in enumerate(out.stats):
+            self.counts[i] += st.tokens_per_expert_E
+            self.local_maxvio[i] = torch.maximum(self.local_maxvio[i], maxvio(st.tokens_per_expert_E))
+            self.dropped[i] += st.pairs_dropped
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, run_dir: str | Path, resume: bool = False) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        t = cfg.train
+        if t.threads:
+            torch.set_num_threads(t.threads)
+        if t.deterministic:
+            torch.use_deterministic_algorithms(True)
+        torch.manual_seed(t.seed)
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
+        if self.tokenizer.vocab_size > cfg.model.vocab_size:
+            raise ValueError(f"model.vocab_size={cfg.model.vocab_size}: smaller than the tokenizer's "
+                             f"vocabulary ({self.tokenizer.vocab_size})")
+        self.train_tokens, self.val_tokens = load_splits(
+            cfg.data.sources or None, self.tokenizer, val_fraction=cfg.data.val_fraction,
+            max_bytes=cfg.data.max_bytes or None, text_field=cfg.data.text_field)
+        self.model = MoEModel(cfg.model)
+        self.optimizer = build_optimizer(self.model, t)
+        self.start_step = 0
+        self.metrics = JsonlLog(self.run_dir / "metrics.jsonl")
+        self.routing = JsonlLog(self.run_dir / "routing.jsonl")
+        if resume:
+            self._resume()
+        else:
+            for log in (self.metrics, self.routing):
+                log.truncate_from(0)
+        save_config(cfg, self.run_dir / "config.toml")
+        self.autocast_dtype = torch.bfloat16 if t.dtype == "bf16" else None
+
+    # ---------------------------------------------------------------------------------------------
+
+    def _resume(self) -> None:
+        path = ckpt.latest_checkpoint(self.run_dir)
+        if path is None:
+            raise FileNotFoundError(f"--resume: no complete checkpoint under {self.run_dir / 'checkpoints'}")
+        state = ckpt.load_checkpoint(path)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        ckpt.set_rng_state(state["rng"])
+        self.start_step = int(state["step"])
+        for log in (self.metrics, self.routing):
+            log.truncate_from(self.start_step)
+        print(f"resumed from {path} at step {self.start_step}")
+
+    def save(self, next_step: int) -> Path:
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "step": next_step, "rng": ckpt.rng_state(), "config": to_dict(self.cfg)}
+        return ckpt.save_checkpoint(self.run_dir, next_step, state, keep_last=self.cfg.train.keep_last)
+
+    def autocast(self) -> torch.autocast:
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast_dtype is not None)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        t = self.cfg.train
+        self.model.eval()
+        total, n = 0.0, 0
+        for x, y in eval_batches(self.val_tokens, t.batch_size, t.seq_len, t.eval_batches):
+            with self.autocast():
+                out = self.model(x, y)
+            total += float(out.ce_loss) * x.numel()
+            n += x.numel()
+        self.model.train()
+        return total / max(n, 1)
+
+    def train_step(self, step: int) -> tuple[StepStats, torch.Tensor]:
+        t = self.cfg.train
+        lr = lr_at(step, base_lr=t.lr, warmup_steps=t.warmup_steps, total_steps=t.steps, kind=t.schedule,
+                   min_lr_ratio=t.min_lr_ratio, decay_fraction=t.decay_fraction)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        moe = self.cfg.model.moe
+        stats = StepStats.zeros(self.cfg.model.n_moe_layers, moe.num_experts)
+        for micro in range(t.grad_accum):
+            x, y = get_batch(self.train_tokens, step, micro, t.batch_size, t.seq_len, t.seed)
+            with self.autocast():
+                out = self.model(x, y)
+            (out.loss / t.grad_accum).backward()
+            stats.add(out, 1.0 / t.grad_accum)
+        if t.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+        else:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return stats, grad_norm
+
+    def log_row(self, step: int, stats: StepStats, grad_norm: torch.Tensor, tokens_per_s: float) -> dict:
+        # The one host sync of the interval: everything is stacked and read together.
+        vio_g = [maxvio(c) for c in stats.counts]
+        flat = torch.stack([stats.loss, stats.ce, stats.moe, grad_norm.float()] + vio_g + stats.local_maxvio)
+        values = flat.tolist()
+        n = len(stats.counts)
+        row = {"step": step, "loss": values[0], "ce_loss": values[1], "moe_loss": values[2],
+               "grad_norm": values[3], "lr": self.optimizer.param_groups[0]["lr"],
+               "tokens_per_s": tokens_per_s}
+        if n:
+            row["maxvio_global"] = max(values[4:4 + n])
+            row["maxvio_local"] = max(values[4 + n:4 + 2 * n])
+            layers = [{"counts": c.tolist(), "maxvio_global": values[4 + i], "maxvio_local": values[4 + n + i],
+                       "dropped": int(d)} for i, (c, d) in enumerate(zip(stats.counts, stats.dropped))]
+            self.routing.write({"step": step, "layers": layers})
+        return row
+
+    def fit(self) -> dict[str, Any]:
+        cfg, t = self.cfg, self.cfg.train
+        tb = TensorBoard(self.run_dir / "tensorboard", cfg.log.tensorboard)
+        bar = Progress(t.steps, self.start_step, cfg.log.progress)
+        tokens_per_step = t.batch_size * t.seq_len * t.grad_accum
+        params = self.model.num_params()
+        bar.write(f"model: {params['total'] / 1e6:.2f}M parameters, {params['active'] / 1e6:.2f}M active; "
+                  f"train {self.train_tokens.numel() / 1e6:.1f}M tokens, val {self.val_tokens.numel() / 1e6:.2f}M")
+        last_time, last_step = time.perf_counter(), self.start_step
+        row: dict[str, Any] = {}
+        val_loss = math.nan
+        start_wall = time.perf_counter()
+        try:
+            for step in range(self.start_step, t.steps):
+                stats, grad_norm = self.train_step(step)
+                last = step + 1 == t.steps
+                if (step + 1) % cfg.log.log_every == 0 or last or step == self.start_step:
+                    now = time.perf_counter()
+                    tps = tokens_per_step * (step + 1 - last_step) / max(now - last_time, 1e-9)
+                    last_time, last_step = now, step + 1
+                    row = self.log_row(step, stats, grad_norm, tps)
+                    if not math.isfinite(row["loss"]):
+                        raise FloatingPointError(f"loss is {row['loss']} at step {step}: stopping "
+                                                 "(the last checkpoint is intact)")
+                    self.metrics.write(row)
+                    tb.scalars(step, row)
+                    fields = {"loss": f"{row['loss']:.3f}", "tok/s": f"{tps:,.0f}"}
+                    if "maxvio_global" in row:
+                        fields["maxvio"] = f"{row['maxvio_global']:.2f}"
+                    bar.update(step + 1, fields)
+                if (step + 1) % t.eval_every == 0 or last:
+                    val_loss = self.evaluate()
+                    self.metrics.write({"step": step, "val_loss": val_loss})
+                    tb.scalars(step, {"val_loss": val_loss})
+                    bar.write(f"step {step + 1}: val_loss {val_loss:.4f} nats/token")
+                if (step + 1) % t.ckpt_every == 0 or last:
+                    self.save(step + 1)
+        finally:
+            bar.close()
+            tb.close()
+        return self.finish(val_loss, time.perf_counter() - start_wall)
+
+    def finish(self, val_loss: float, wall_s: float) -> dict[str, Any]:
+        rows = self.metrics.read()
+        train_rows = [r for r in rows if "loss" in r]
+        params = self.model.num_params()
+        summary = {
+            "steps": self.cfg.train.steps,
+            "final_val_loss": val_loss,
+            "final_train_loss": train_rows[-1]["loss"] if train_rows else None,
+            "tokens_per_s": (sum(r["tokens_per_s"] for r in train_rows[-10:]) / len(train_rows[-10:])
+                             if train_rows else None),
+            "params_total": params["total"],
+            "params_active": params["active"],
+            "wall_s_this_process": wall_s,
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if self.cfg.log.plots:
+            from .plots import write_run_plots
+
+            written = write_run_plots(self.run_dir)
+            summary["plots"] = [str(p) for p in written]
+        return summary
