@@ -32,12 +32,12 @@ grouped kernel with one alpha per group, or TransformerEngine's GroupedLinear, d
 
 Recipes (`RECIPES`; the formats are `ops.quant`'s):
 
-| precision     | x, dy (1-D blocks)          | w                          | token block (wgrad) |
-|---------------|-----------------------------|----------------------------|---------------------|
-| mxfp8         | E4M3, 32, E8M0 scale        | E4M3, 32 along the reduction| 32                 |
-| fp8_blockwise | E4M3, 1x128, fp32 scale     | E4M3, 128x128, fp32 scale  | 128 (1x128 tiles)   |
-| nvfp4         | E2M1, 16, E4M3 + tensor fp32| same, 16 along the reduction| 16                 |
-| mxfp4         | E2M1, 32, E8M0              | same                       | 32                  |
+| precision     | x, dy: element, block, scale  | w: element, block, scale       | token block |
+|---------------|-------------------------------|--------------------------------|-------------|
+| mxfp8         | E4M3, 1x32, E8M0              | E4M3, 32 along the reduction   | 32          |
+| fp8_blockwise | E4M3, 1x128, fp32             | E4M3, 128x128, fp32            | 128         |
+| nvfp4         | E2M1, 1x16, E4M3 + fp32/tensor| E2M1, 16 along the reduction   | 16          |
+| mxfp4         | E2M1, 1x32, E8M0              | E2M1, 32 along the reduction   | 32          |
 
 * mxfp8 uses E4M3 for gradients too. The E5M2 convention comes from per-tensor FP8, where one scale
   had to cover a gradient's whole dynamic range; with a scale per 32 elements E4M3's extra mantissa
