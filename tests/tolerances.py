@@ -32,3 +32,30 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: tuple[float,
     rtol, atol = tol if tol is not None else REFERENCE[expected.dtype]
     atol = atol * max(1.0, float(expected.detach().abs().max())) if expected.numel() else atol
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{msg}: {m}")
+
+# Low-precision expert GEMMs (ops.quant_gemm) against the full-precision layer: a loose error floor,
+# not a parity check. Each quantised operand carries a relative rms error of 10^(-SQNR/20); the floors
+# below are the per-operand SQNR floors of tests/ops/test_quant.py (x ~ N(0, 1), measured values ~2 dB
+# higher). A layer output chains four quantised operands through two GEMMs and the gated activation,
+# which multiplies two noisy GEMM outputs, and a gradient chains as many again, so errors add in
+# quadrature over roughly six to nine terms: relative error <= 3 * 10^(-SQNR/20). Measured relative
+# Frobenius errors at d=128, f=128, E=4, K=2, T=256 (torch 2.13 CPU), output and worst gradient:
+# mxfp8 0.079 / 0.092, fp8_blockwise 0.064 / 0.065, nvfp4 0.235 / 0.247, mxfp4 0.305 / 0.306;
+# i.e. about 2.6x the per-operand error, under the 3x bound.
+LOWP_OPERAND_SQNR_DB = {"mxfp8": 28.5, "fp8_blockwise": 30.0, "nvfp4": 18.5, "mxfp4": 17.0}
+LOWP_PATH_FACTOR = 3.0
+
+
+def lowp_layer_rel_err(precision: str) -> float:
+    return LOWP_PATH_FACTOR * 10 ** (-LOWP_OPERAND_SQNR_DB[precision] / 20)
+
+
+# AdamWBF16 against torch.optim.AdamW, 50 steps, lr 1e-2, beta2 0.999: the bf16 run's displacement from the
+# initial weights must match torch's to this relative (Frobenius) error. Each stored moment carries a
+# bf16 rounding error (<= 2^-9 = 0.2% relative) that is not forgotten: exp_avg keeps ~1/(1-beta1^2) ~ 5
+# roundings alive (~0.45% rms), exp_avg_sq with beta2 = 0.999 keeps all t of them (~sqrt(t/3) * 2^-9 / sqrt(3)
+# ~ 0.5% at t = 50, halved by the sqrt). So every update m / sqrt(v) is off by ~0.5-1%, and the errors are
+# correlated from step to step (they live in the state), so the displacement is off by the same relative
+# amount rather than averaging out. Measured: 0.42% (nearest), 0.56-0.62% (stochastic, 3 seeds); a wrong
+# formula (bias correction, decay) is off by tens of percent.
+ADAMW_BF16_REL_DISPLACEMENT = 0.02

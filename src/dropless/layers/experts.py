@@ -6,6 +6,8 @@ Legend: R routed rows (expert-major), E experts, D model width, F expert width.
 
 The backend is chosen once at build: `grouped_mm` (the dropless path), `loop` (a per-expert loop:
 the reference, syncs on the host), `padded_bmm` (the capacity layout: every expert holds C rows).
+With `precision` other than "bf16" every expert GEMM goes through `ops.quant_gemm` instead (the
+forward, dgrad and wgrad products quantised; emulated in fp32), whatever the backend.
 Under CPU/GPU autocast the weights and rows are cast to the autocast dtype here, because torch's
 autocast does not cover grouped_mm and would otherwise leave the expert GEMMs in fp32.
 """
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..ops import grouped_gemm
+from ..ops import grouped_gemm, quant_gemm
 from ..ops.activations import activation, is_gated
 
 
@@ -40,9 +42,13 @@ def resolve_backend(backend: str, capacity_mode: bool) -> str:
 
 class GroupedExperts(nn.Module):
     def __init__(self, num_experts: int, d_model: int, d_expert: int, kind: str = "swiglu",
-                 clamp: float | None = None, softcap: float | None = None, backend: str = "grouped_mm") -> None:
+                 clamp: float | None = None, softcap: float | None = None, backend: str = "grouped_mm",
+                 precision: str = "bf16") -> None:
         super().__init__()
         self.kind, self.clamp, self.softcap, self.backend = kind, clamp, softcap, backend
+        self.precision = precision
+        if precision != quant_gemm.FULL_PRECISION:
+            quant_gemm.check_widths(precision, d_model, d_expert)
         width = 2 * d_expert if is_gated(kind) else d_expert
         self.w_gate_up_EDF = nn.Parameter(torch.empty(num_experts, d_model, width))
         self.w_down_EFD = nn.Parameter(torch.empty(num_experts, d_expert, d_model))
@@ -53,6 +59,8 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.w_down_EFD, std=self.w_down_EFD.shape[1] ** -0.5)
 
     def _gemm(self, x_RD: torch.Tensor, w_EDF: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:
+        if self.precision != quant_gemm.FULL_PRECISION:
+            return quant_gemm.quant_grouped_mm(x_RD, w_EDF, batch.offsets_E, self.precision)
         if self.backend == "grouped_mm":
             return grouped_gemm.grouped_mm(x_RD, w_EDF, batch.offsets_E)
         if self.backend == "padded_bmm":

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..config import MoEConfig
-from ..ops import routing
+from ..ops import quant_gemm, routing
 from .dispatch import Dispatcher, LocalDispatcher
 from .experts import GroupedExperts, resolve_backend
 from .mlp import MLP
@@ -48,11 +48,13 @@ class MoELayer(nn.Module):
         self.router = Router(d_model, cfg.num_experts, cfg.top_k, cfg.router)
         backend = resolve_backend(cfg.backend, cfg.capacity_factor is not None)
         self.experts = GroupedExperts(cfg.num_experts, d_model, cfg.d_expert, cfg.activation,
-                                      cfg.act_clamp, cfg.act_softcap, backend)
+                                      cfg.act_clamp, cfg.act_softcap, backend, cfg.precision)
         self.shared = (MLP(d_model, cfg.shared_width, cfg.activation, cfg.act_clamp, cfg.act_softcap)
                        if cfg.shared_width else None)
+        # Low-precision wgrad blocks run along tokens: pad each expert's group to the token block.
+        align = quant_gemm.plan_align(cfg.precision, cfg.align)
         self.dispatcher: Dispatcher = dispatcher or LocalDispatcher(
-            cfg.num_experts, cfg.align, cfg.capacity_factor, cfg.drop_policy)
+            cfg.num_experts, align, cfg.capacity_factor, cfg.drop_policy)
 
     def forward(self, x: torch.Tensor, replay_ids: torch.Tensor | None = None) -> MoEOutput:
         """`replay_ids` ([..., K] expert ids, leading dims as x) replaces the router's choice."""
