@@ -122,3 +122,16 @@ def test_config_accepts_sound_balancing() -> None:
               balance=BalanceConfig(bias_update_rate=0.5))
     MoEConfig(num_experts=8, top_k=2, router=RouterConfig(use_expert_bias=True),
               balance=BalanceConfig(quantile_balance=True, aux_loss_scope="sequence"))
+
+
+def test_layer_sequence_scope_and_global_probabilities() -> None:
+    from dropless.layers.moe import MoELayer
+    torch.manual_seed(0)
+    cfg = MoEConfig(num_experts=5, top_k=2, d_expert=8, balance=BalanceConfig(aux_loss_scope="sequence"))
+    layer = MoELayer(16, cfg)
+    x = torch.randn(3, 7, 16)
+    out = layer(x)
+    d = layer.router(x.view(21, 16))
+    torch.testing.assert_close(out.aux_loss, balance.sequence_aux_loss(d.scores_TE, d.ids_TK, 7))
+    torch.testing.assert_close(out.probs_mean_E, d.scores_TE.mean(0))
+    assert out.probs_mean_E.requires_grad  # the global aux loss backpropagates through it
