@@ -117,6 +117,7 @@ class MoELayer(nn.Module):
         counts_E = routing.expert_counts(decision.ids_TK, E, decision.valid_TK)
         probs_TE = routing.router_probs(decision.scores_TE, self.cfg.router.score_func)
         if self.cfg.balance.aux_loss_scope == "sequence":
+            # sequences are the second-to-last dim of x ([B, S, D]); a flat [T, D] input is one sequence
             seq_len = shape[-2] if len(shape) >= 3 else x_TD.shape[0]
             aux = balance.sequence_aux_loss(probs_TE, decision.ids_TK, seq_len, decision.valid_TK)
         else:
