@@ -26,6 +26,8 @@ ACTIVATIONS = ("swiglu", "geglu", "relu2")
 BACKENDS = ("auto", "grouped_mm", "loop", "padded_bmm")
 DROP_POLICIES = ("position", "score")
 PRECISIONS = ("bf16", "mxfp8", "fp8_blockwise", "nvfp4", "mxfp4")
+STRATEGIES = ("token_choice", "expert_choice", "expert_threshold", "hash", "forced_balance")
+AUX_SCOPES = ("micro_batch", "sequence", "global_batch")
 
 
 def _fail(name: str, value: Any, why: str) -> None:
@@ -55,9 +57,36 @@ class RouterConfig:
     n_groups: int = 1  # group-limited routing: experts form n_groups groups ...
     topk_groups: int = 1  # ... and only the best topk_groups groups are eligible
     use_expert_bias: bool = False  # selection-only bias buffer (loss-free balancing)
+    # Who chooses (mission.md section 2): token_choice (top-k per token), expert_choice (each expert
+    # takes its top-C tokens; leaks future tokens, so not for autoregressive inference),
+    # expert_threshold (a token goes to every expert whose score beats a threshold learned from
+    # previous batches), hash (fixed table from token id), forced_balance (uniform random, balanced
+    # to within one pair per expert: the balanced ceiling for benchmarks).
+    strategy: str = "token_choice"
+    expert_capacity_factor: float = 1.0  # expert_choice: C = ceil(factor * T * top_k / E)
+    threshold_momentum: float = 0.99  # expert_threshold: EMA of the per-expert score quantile
+    max_experts_per_token: Optional[int] = None  # expert_threshold: slots per token (None = E, exact)
+    hash_buckets: int = 4096  # hash: table rows; token id modulo this picks the row
 
     def validate(self, prefix: str, num_experts: int, top_k: int) -> None:
         _choice(f"{prefix}.score_func", self.score_func, SCORE_FUNCS)
+        _choice(f"{prefix}.strategy", self.strategy, STRATEGIES)
+        if not self.expert_capacity_factor > 0:
+            _fail(f"{prefix}.expert_capacity_factor", self.expert_capacity_factor, "must be > 0")
+        if not 0.0 <= self.threshold_momentum < 1.0:
+            _fail(f"{prefix}.threshold_momentum", self.threshold_momentum, "must be in [0, 1)")
+        if self.max_experts_per_token is not None:
+            _positive(f"{prefix}.max_experts_per_token", self.max_experts_per_token)
+            if self.max_experts_per_token > num_experts:
+                _fail(f"{prefix}.max_experts_per_token", self.max_experts_per_token,
+                      f"exceeds num_experts={num_experts}")
+        _positive(f"{prefix}.hash_buckets", self.hash_buckets)
+        if self.use_expert_bias and self.strategy != "token_choice":
+            # The bias only enters token-choice top-k: expert choice is balanced by construction,
+            # expert_threshold's thresholds already are per-expert biases, hash and forced_balance
+            # ignore the router's choice. A bias there would be a buffer that silently does nothing.
+            _fail(f"{prefix}.use_expert_bias", self.use_expert_bias,
+                  f"only acts with strategy='token_choice' (got {self.strategy!r})")
         _positive(f"{prefix}.n_groups", self.n_groups)
         _positive(f"{prefix}.topk_groups", self.topk_groups)
         if self.topk_groups > self.n_groups:
@@ -83,12 +112,21 @@ class BalanceConfig:
     aux_loss_coeff: float = 0.01  # Switch aux loss, micro-batch scope
     z_loss_coeff: float = 1e-3  # router z-loss: mean(logsumexp(logits)^2)
     bias_update_rate: float = 0.0  # loss-free bias step u (0 = off); needs router.use_expert_bias
+    # Quantile balancing: set the bias each step from the score distribution (layers/balance.py).
+    quantile_balance: bool = False
+    # Aux-loss scope: micro_batch, sequence (per sequence, averaged), global_batch (counts summed
+    # over the step's micro-batches and data-parallel ranks: the trainer forms it, balance.py).
+    aux_loss_scope: str = "micro_batch"
 
     def validate(self, prefix: str) -> None:
         for name in ("aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
             value = getattr(self, name)
             if not value >= 0:
                 _fail(f"{prefix}.{name}", value, "must be >= 0")
+        _choice(f"{prefix}.aux_loss_scope", self.aux_loss_scope, AUX_SCOPES)
+        if self.quantile_balance and self.bias_update_rate > 0:
+            _fail(f"{prefix}.quantile_balance", self.quantile_balance,
+                  "and bias_update_rate > 0 both write the expert bias; choose one")
 
 
 @dataclass
@@ -149,6 +187,18 @@ class MoEConfig:
         if self.balance.bias_update_rate > 0 and not self.router.use_expert_bias:
             _fail(f"{prefix}.balance.bias_update_rate", self.balance.bias_update_rate,
                   "needs router.use_expert_bias=true")
+        if self.balance.quantile_balance and not self.router.use_expert_bias:
+            _fail(f"{prefix}.balance.quantile_balance", True, "needs router.use_expert_bias=true")
+        r = self.router
+        if (self.balance.bias_update_rate >= 1.0 / self.num_experts and r.score_func == "softmax"
+                and r.pre_softmax):
+            # Selection is on softmax probabilities, whose mean is 1/E: a sign step that large moves
+            # an expert across every other expert's scores at once, so the loads flip wholesale from
+            # step to step instead of converging. (Post-softmax selects on logits, where the bias is
+            # in logit units and this bound does not apply.)
+            _fail(f"{prefix}.balance.bias_update_rate", self.balance.bias_update_rate,
+                  f"must be < 1/num_experts={1.0 / self.num_experts:.3g} with softmax (pre-softmax) "
+                  "scores: one step would outweigh the mean probability and the loads oscillate")
 
     @property
     def shared_width(self) -> int:

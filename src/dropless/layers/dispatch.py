@@ -2,8 +2,10 @@
 
 Legend: T tokens, K experts per token, D model width, R rows in expert order.
 
-A dispatcher is a plain object with `dispatch(x_TD, ids_TK, weights_TK) -> (ExpertBatch, meta)` and
-`combine(y_RD, meta) -> y_TD`. The metadata is a frozen dataclass that carries everything combine
+A dispatcher is a plain object with `dispatch(x_TD, ids_TK, weights_TK, valid_TK=None) ->
+(ExpertBatch, meta)` and `combine(y_RD, meta) -> y_TD`. `valid_TK` (bool) marks real pairs when the
+routing strategy gives tokens a variable number of experts (expert choice, expert threshold); None
+means every slot is a pair. A dispatcher that cannot honour a mask must refuse it, never ignore it. The metadata is a frozen dataclass that carries everything combine
 needs, so one dispatcher object serves every layer and every micro-batch. The experts module sees only
 an ExpertBatch and never knows whether the rows came from this process or from other ranks: the
 expert-parallel dispatcher (dropless.distributed.ep) implements the same two methods.
@@ -31,8 +33,8 @@ class LocalMeta:
 
 
 class Dispatcher(Protocol):
-    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor,
-                 weights_TK: torch.Tensor) -> tuple[ExpertBatch, object]: ...
+    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                 valid_TK: torch.Tensor | None = None) -> tuple[ExpertBatch, object]: ...
 
     def combine(self, y_RD: torch.Tensor, meta: object) -> torch.Tensor: ...
 
@@ -53,15 +55,18 @@ class LocalDispatcher:
         self.capacity_factor = capacity_factor
         self.drop_policy = drop_policy
 
-    def plan(self, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> P.RoutingPlan:
+    def plan(self, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+             valid_TK: torch.Tensor | None = None) -> P.RoutingPlan:
         if self.capacity_factor is None:
-            return P.make_plan(ids_TK, self.num_experts, self.align)
+            return P.make_plan(ids_TK, self.num_experts, self.align, valid_TK)
+        if valid_TK is not None:
+            raise ValueError("the capacity baseline takes token-choice routing only (valid_TK given)")
         return P.make_capacity_plan(ids_TK, weights_TK, self.num_experts, self.capacity_factor,
                                     self.drop_policy, self.align)
 
-    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor,
-                 weights_TK: torch.Tensor) -> tuple[ExpertBatch, LocalMeta]:
-        plan = self.plan(ids_TK, weights_TK)
+    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                 valid_TK: torch.Tensor | None = None) -> tuple[ExpertBatch, LocalMeta]:
+        plan = self.plan(ids_TK, weights_TK, valid_TK)
         batch = ExpertBatch(P.permute(x_TD, plan), plan.offsets_E, plan.capacity)
         return batch, LocalMeta(plan, weights_TK)
 

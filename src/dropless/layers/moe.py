@@ -1,11 +1,17 @@
 """The MoE layer: router -> dispatch -> grouped experts -> combine (+ shared experts).
 
-Legend: T tokens (all leading dims flattened), D model width, E experts, K experts per token.
+Legend: T tokens (all leading dims flattened), D model width, E experts, K experts per token,
+R routed rows in expert order.
 
 The layer returns its losses and statistics instead of adding or storing them: the model sums the
 losses with their coefficients, the trainer accumulates the statistics and reads them on the host
 once per log interval. Nothing here calls `.item()` or reads a count on the host, so the dropless
 path never waits for the device.
+
+Statistics cost: the default set is the counts and two scalars. `detailed_stats` (a plain attribute
+the trainer sets to True on log steps only, default False) adds the per-expert output sum of squares
+and two router reductions for the health monitor: one pass over y_RD and two over scores_TE, all on
+the device, under no_grad.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from torch import nn
 
 from ..config import MoEConfig
 from ..ops import quant_gemm, routing
+from . import balance
 from .dispatch import Dispatcher, LocalDispatcher
 from .experts import GroupedExperts, resolve_backend
 from .mlp import MLP
@@ -25,19 +32,53 @@ from .router import Router
 
 @dataclass(frozen=True)
 class MoEStats:
-    """Device tensors, one set per layer call."""
+    """Device tensors, one set per layer call. The Optional ones are None unless asked for."""
 
     tokens_per_expert_E: torch.Tensor  # int64: pairs routed to each expert (before any drop)
     pairs_computed: torch.Tensor  # int64 scalar
     pairs_dropped: torch.Tensor  # int64 scalar (0 on every dropless path)
+    # detailed_stats only:
+    out_sq_E: torch.Tensor | None = None  # fp32: sum over e's rows of mean_d(y_row^2)
+    router_entropy: torch.Tensor | None = None  # fp32: mean_T of -sum_e p log p (nats)
+    top1_top2_ratio: torch.Tensor | None = None  # fp32: mean_T of p_top1 / p_top2
+    # balancing rules that need the scores (the trainer applies them between steps):
+    score_quantile_E: torch.Tensor | None = None  # strategy expert_threshold: for update_threshold
+    quantile_bias_E: torch.Tensor | None = None  # balance.quantile_balance: the proposed bias
 
 
 @dataclass(frozen=True)
 class MoEOutput:
     y: torch.Tensor  # same shape as the input
-    aux_loss: torch.Tensor  # Switch aux loss, without its coefficient
+    aux_loss: torch.Tensor  # aux loss at the configured scope (micro-batch for global_batch), no coeff
     z_loss: torch.Tensor  # router z-loss, without its coefficient
     stats: MoEStats
+    probs_mean_E: torch.Tensor | None = None  # mean router probability, with grad: global aux loss
+
+
+def expert_out_sq(y_RD: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """Per-expert sum of the rows' mean squares, from the expert-major output rows.
+
+    Padding rows inside a group are zero rows in, zero rows out (every activation maps 0 to 0 and the
+    experts have no bias), so they add nothing; rows past the last group end (uninitialised on the
+    grouped_mm path) go to an extra bin that is cut off.
+    """
+    E = offsets_E.numel()
+    ms_R = y_RD.detach().float().square().mean(-1)
+    rows = torch.arange(y_RD.shape[0], device=y_RD.device, dtype=offsets_E.dtype)
+    e_R = torch.searchsorted(offsets_E, rows, right=True)
+    ms_R = torch.where(e_R < E, ms_R, torch.zeros_like(ms_R))  # NaN garbage must not reach bincount
+    return torch.bincount(e_R, weights=ms_R, minlength=E + 1)[:E].float()
+
+
+def router_summaries(probs_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean entropy in nats, mean top-1 / top-2 probability ratio); ratio 1 when E = 1."""
+    p = probs_TE.detach().float()
+    entropy = -(p * p.clamp_min(1e-30).log()).sum(-1).mean()
+    if p.shape[1] < 2:
+        return entropy, torch.ones((), device=p.device)
+    top2 = p.topk(2, dim=-1).values
+    ratio = (top2[:, 0] / top2[:, 1].clamp_min(1e-30)).mean()
+    return entropy, ratio
 
 
 class MoELayer(nn.Module):
@@ -55,25 +96,53 @@ class MoELayer(nn.Module):
         align = quant_gemm.plan_align(cfg.precision, cfg.align)
         self.dispatcher: Dispatcher = dispatcher or LocalDispatcher(
             cfg.num_experts, align, cfg.capacity_factor, cfg.drop_policy)
+        self.detailed_stats = False  # set by the trainer on log steps
 
-    def forward(self, x: torch.Tensor, replay_ids: torch.Tensor | None = None) -> MoEOutput:
-        """`replay_ids` ([..., K] expert ids, leading dims as x) replaces the router's choice."""
+    def forward(self, x: torch.Tensor, replay_ids: torch.Tensor | None = None,
+                token_ids: torch.Tensor | None = None) -> MoEOutput:
+        """`replay_ids` ([..., K] expert ids, leading dims as x) replaces the router's choice;
+        `token_ids` (leading dims as x) feeds the hash strategy."""
         shape = x.shape
         x_TD = x.reshape(-1, shape[-1])
         replay_TK = replay_ids.reshape(-1, self.cfg.top_k) if replay_ids is not None else None
-        decision = self.router(x_TD, replay_TK)
-        batch, meta = self.dispatcher.dispatch(x_TD, decision.ids_TK, decision.weights_TK)
+        decision = self.router(x_TD, replay_TK, token_ids)
+        if decision.valid_TK is None:
+            batch, meta = self.dispatcher.dispatch(x_TD, decision.ids_TK, decision.weights_TK)
+        else:
+            batch, meta = self.dispatcher.dispatch(x_TD, decision.ids_TK, decision.weights_TK,
+                                                   decision.valid_TK)
         y_RD = self.experts(batch)
         y_TD = self.dispatcher.combine(y_RD, meta)
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)
-        counts_E = routing.expert_counts(decision.ids_TK, self.cfg.num_experts)
+        E, K = self.cfg.num_experts, self.cfg.top_k
+        counts_E = routing.expert_counts(decision.ids_TK, E, decision.valid_TK)
         probs_TE = routing.router_probs(decision.scores_TE, self.cfg.router.score_func)
-        dropped = meta.pairs_dropped
-        stats = MoEStats(counts_E, counts_E.sum() - dropped, dropped)
+        if self.cfg.balance.aux_loss_scope == "sequence":
+            # sequences are the second-to-last dim of x ([B, S, D]); a flat [T, D] input is one sequence
+            seq_len = shape[-2] if len(shape) >= 3 else x_TD.shape[0]
+            aux = balance.sequence_aux_loss(probs_TE, decision.ids_TK, seq_len, decision.valid_TK)
+        else:
+            aux = routing.switch_aux_loss(probs_TE, counts_E, K)
+        stats = self._stats(decision, counts_E, probs_TE, meta.pairs_dropped, y_RD, batch.offsets_E)
         return MoEOutput(
             y=y_TD.view(shape),
-            aux_loss=routing.switch_aux_loss(probs_TE, counts_E, self.cfg.top_k),
+            aux_loss=aux,
             z_loss=routing.z_loss(decision.logits_TE),
             stats=stats,
+            probs_mean_E=probs_TE.mean(0),
         )
+
+    def _stats(self, decision, counts_E: torch.Tensor, probs_TE: torch.Tensor, dropped: torch.Tensor,
+               y_RD: torch.Tensor, offsets_E: torch.Tensor) -> MoEStats:
+        extra: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            if self.detailed_stats:
+                extra["out_sq_E"] = expert_out_sq(y_RD, offsets_E)
+                extra["router_entropy"], extra["top1_top2_ratio"] = router_summaries(probs_TE)
+            if self.cfg.router.strategy == "expert_threshold":
+                extra["score_quantile_E"] = routing.score_quantile(decision.scores_TE, self.cfg.top_k)
+            if self.cfg.balance.quantile_balance:
+                extra["quantile_bias_E"] = balance.quantile_bias(
+                    self.router.selection_base(decision), self.cfg.top_k)
+        return MoEStats(counts_E, counts_E.sum() - dropped, dropped, **extra)

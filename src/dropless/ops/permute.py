@@ -7,6 +7,8 @@ R rows of the expert-ordered buffer (P plus alignment padding, or E*C in capacit
     offsets_E   end row of each expert's group in the buffer (int32, cumulative, on the device)
     row_of_P    buffer row that holds pair p
     pair_of_R   pair held by row r; P marks a padding row (it reads a zero input row)
+    valid_TK    optional mask of real pairs (strategies with a variable number of experts per token):
+                invalid pairs get no row in any expert's group, weight 0 in combine, no gradient
 
 Every index here is computed on the device from `ids_TK` with fixed-size ops (bincount, stable sort,
 cumsum, gather), so a plan never needs the host to read counts: the row count R is a static bound
@@ -37,6 +39,14 @@ class RoutingPlan:
     pair_of_R: torch.Tensor  # int64 [R]; P = padding
     keep_P: torch.Tensor | None = None  # bool [P]: capacity mode only; False = dropped pair
     capacity: int | None = None  # rows per expert in capacity mode
+    valid_P: torch.Tensor | None = None  # bool [P]: masked plans only; False = not a pair at all
+
+    @property
+    def mask_P(self) -> torch.Tensor | None:
+        """Pairs that own a row (kept and valid); None when every pair does."""
+        if self.keep_P is None:
+            return self.valid_P
+        return self.keep_P if self.valid_P is None else self.keep_P & self.valid_P
 
     @property
     def src_R(self) -> torch.Tensor:
@@ -55,8 +65,17 @@ def _invert(order_P: torch.Tensor) -> torch.Tensor:
     return inv
 
 
-def make_plan(ids_TK: torch.Tensor, num_experts: int, align: int = 1) -> RoutingPlan:
-    """Dropless plan: every pair gets a row; groups padded to a multiple of `align` rows."""
+def make_plan(ids_TK: torch.Tensor, num_experts: int, align: int = 1,
+              valid_TK: torch.Tensor | None = None) -> RoutingPlan:
+    """Dropless plan: every pair gets a row; groups padded to a multiple of `align` rows.
+
+    With `valid_TK`, only valid pairs get rows: the invalid ones are sorted into a virtual expert E
+    after the last group, whose rows are turned into padding (they read a zero row and nothing reads
+    their output); an invalid pair points at row 0 and combine gives it weight 0. Row 0 is a
+    computed row whenever at least one pair is valid, which every strategy guarantees.
+    """
+    if valid_TK is not None:
+        return _make_masked_plan(ids_TK, num_experts, align, valid_TK)
     T, K = ids_TK.shape
     P = T * K
     E = num_experts
@@ -79,6 +98,32 @@ def make_plan(ids_TK: torch.Tensor, num_experts: int, align: int = 1) -> Routing
     pair_of_R = torch.full((R,), P, dtype=torch.int64, device=ids_P.device)
     pair_of_R[rows_sorted] = order_P
     return RoutingPlan(T, K, E, R, counts_E, ends_E.to(torch.int32), row_of_P, pair_of_R)
+
+
+def _make_masked_plan(ids_TK: torch.Tensor, num_experts: int, align: int,
+                      valid_TK: torch.Tensor) -> RoutingPlan:
+    T, K = ids_TK.shape
+    P, E = T * K, num_experts
+    valid_P = valid_TK.reshape(-1)
+    ids_P = torch.where(valid_P, ids_TK.reshape(-1), E)  # invalid pairs -> virtual expert E, last
+    counts_all = torch.bincount(ids_P, minlength=E + 1)
+    order_P = torch.sort(ids_P, stable=True).indices
+    padded_all = (counts_all + (align - 1)) // align * align
+    ends_all = torch.cumsum(padded_all, 0)
+    start_all = torch.cumsum(counts_all, 0) - counts_all
+    ids_sorted = ids_P[order_P]
+    rank = torch.arange(P, device=ids_P.device) - start_all[ids_sorted]
+    rows_sorted = (ends_all - padded_all)[ids_sorted] + rank
+    R = P + E * (align - 1)  # static bound: valid pairs plus the real groups' padding
+    valid_sorted = valid_P[order_P]
+    # Invalid pairs' rows go to an extra row R, cut off below.
+    pair_of_R = torch.full((R + 1,), P, dtype=torch.int64, device=ids_P.device)
+    pair_of_R[torch.where(valid_sorted, rows_sorted, R)] = order_P
+    row_of_P = torch.empty_like(order_P)
+    row_of_P[order_P] = torch.where(valid_sorted, rows_sorted, 0)
+    counts_E = counts_all[:E]
+    return RoutingPlan(T, K, E, R, counts_E, ends_all[:E].to(torch.int32), row_of_P,
+                       pair_of_R[:R].clone(), valid_P=valid_P)
 
 
 def capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float, align: int = 1) -> int:
@@ -132,9 +177,9 @@ def make_capacity_plan(
 class _Permute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD: torch.Tensor, src_R: torch.Tensor, row_of_P: torch.Tensor, top_k: int,
-                padded: bool) -> torch.Tensor:
+                padded: bool, masked: bool) -> torch.Tensor:
         ctx.save_for_backward(row_of_P)
-        ctx.top_k = top_k
+        ctx.top_k, ctx.masked = top_k, masked
         if padded:
             x_TD = torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])])
         return x_TD.index_select(0, src_R)
@@ -142,16 +187,25 @@ class _Permute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_RD: torch.Tensor):
         (row_of_P,) = ctx.saved_tensors
+        if ctx.masked:
+            # row_of_P here sends masked pairs to row R: a zero gradient row.
+            grad_RD = torch.cat([grad_RD, grad_RD.new_zeros(1, grad_RD.shape[1])])
         g_PD = grad_RD.index_select(0, row_of_P)
         T = row_of_P.numel() // ctx.top_k
         g_TD = g_PD.view(T, ctx.top_k, -1).sum(1)  # fixed slot order: deterministic
-        return g_TD, None, None, None, None
+        return g_TD, None, None, None, None, None
 
 
 def permute(x_TD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
-    """Gather token rows into expert order: x_RD. Padding rows are zeros."""
-    padded = plan.num_rows != plan.num_tokens * plan.top_k or plan.keep_P is not None
-    return _Permute.apply(x_TD, plan.src_R, plan.row_of_P, plan.top_k, padded)
+    """Gather token rows into expert order: x_RD. Padding rows are zeros.
+
+    A masked pair (dropped, or invalid) points at row 0 for combine's gather; its gradient must not
+    come from there, so the backward reads row R (zeros) for it instead.
+    """
+    mask = plan.mask_P
+    padded = plan.num_rows != plan.num_tokens * plan.top_k or mask is not None
+    row_of_P = plan.row_of_P if mask is None else torch.where(mask, plan.row_of_P, plan.num_rows)
+    return _Permute.apply(x_TD, plan.src_R, row_of_P, plan.top_k, padded, mask is not None)
 
 
 class _Combine(torch.autograd.Function):
@@ -182,7 +236,8 @@ class _Combine(torch.autograd.Function):
 
 
 def combine(y_RD: torch.Tensor, weights_TK: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
-    """out_TD = sum_j weights_TK[t, j] * y_RD[row of (t, j)]; dropped pairs count zero."""
-    if plan.keep_P is not None:
-        weights_TK = weights_TK * plan.keep_P.view_as(weights_TK)
+    """out_TD = sum_j weights_TK[t, j] * y_RD[row of (t, j)]; dropped and invalid pairs count zero."""
+    mask = plan.mask_P
+    if mask is not None:
+        weights_TK = weights_TK * mask.view_as(weights_TK)
     return _Combine.apply(y_RD, weights_TK, plan.row_of_P, plan.pair_of_R)

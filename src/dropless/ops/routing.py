@@ -6,6 +6,10 @@ Legend: T tokens, E experts, K experts per token (top_k), G expert groups.
     bias_E     selection-only expert bias (loss-free balancing); never enters the weights
     ids_TK     chosen experts per token, int64
     weights_TK combine weights, fp32
+    valid_TK   bool mask of real pairs, for strategies with a variable number of experts per token
+               (expert choice, expert threshold): K is then a static bound (E, or a cap) and the
+               invalid slots carry weight 0 and are skipped by the routing plan (ops/permute.py).
+    q_E        per-expert score quantile at the target admission rate top_k / E
 
 Numerics: everything here runs in fp32. A bf16 router flips expert choices on near-ties (bf16 keeps
 8 mantissa bits, so logits 1e-2 apart at magnitude 4 are equal) and such flips were seen to make
@@ -17,6 +21,8 @@ are multiplied by.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -121,9 +127,96 @@ def router_probs(scores_TE: torch.Tensor, score_func: str) -> torch.Tensor:
     return scores_TE / scores_TE.sum(-1, keepdim=True).clamp_min(1e-20)
 
 
-def expert_counts(ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Pairs routed to each expert, int64, on the device (no host sync)."""
-    return torch.bincount(ids_TK.reshape(-1), minlength=num_experts)
+def expert_counts(ids_TK: torch.Tensor, num_experts: int, valid_TK: torch.Tensor | None = None) -> torch.Tensor:
+    """Pairs routed to each expert, int64, on the device (no host sync). Invalid slots not counted."""
+    if valid_TK is None:
+        return torch.bincount(ids_TK.reshape(-1), minlength=num_experts)
+    ids_P = torch.where(valid_TK, ids_TK, num_experts).reshape(-1)
+    return torch.bincount(ids_P, minlength=num_experts + 1)[:num_experts]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Strategies other than token-choice top-k. Each returns ids and weights in the dispatcher's form;
+# the variable-count ones add valid_TK.
+
+
+def score_quantile(scores_TE: torch.Tensor, top_k: int) -> torch.Tensor:
+    """q_E: the score above which a fraction top_k / E of the tokens lie, per expert.
+
+    An expert that admitted exactly the tokens scoring above q_e would take its fair share T*k/E.
+    Linear interpolation between order statistics (torch.quantile's default).
+    """
+    T, E = scores_TE.shape
+    return torch.quantile(scores_TE.detach().float(), 1.0 - top_k / E, dim=0)
+
+
+def expert_choice_route(scores_TE: torch.Tensor, *, top_k: int, capacity_factor: float = 1.0,
+                        scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert choice: each expert takes its C best-scoring tokens, C = ceil(factor * T * k / E) <= T.
+
+    Returns (ids_TK, weights_TK, valid_TK) with K = E: slot e of token t is expert e, valid when e
+    chose t. A token may get 0..E experts; every expert gets exactly C pairs. The choice of token t
+    depends on every other token of the batch, later ones included: not causal.
+    """
+    T, E = scores_TE.shape
+    C = min(T, math.ceil(capacity_factor * T * top_k / E))
+    chosen_TE = torch.zeros_like(scores_TE, dtype=torch.bool)
+    if C > 0:
+        # topk over tokens is deterministic; ties go to the earlier token.
+        chosen_TE.scatter_(0, scores_TE.detach().topk(C, dim=0).indices, True)
+    ids_TE = torch.arange(E, device=scores_TE.device).expand(T, E).contiguous()
+    weights_TE = scores_TE * chosen_TE * scaling_factor
+    return ids_TE, weights_TE, chosen_TE
+
+
+def threshold_route(scores_TE: torch.Tensor, threshold_E: torch.Tensor, ready: torch.Tensor, *,
+                    top_k: int, max_slots: int | None = None, renormalize: bool = True,
+                    scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert threshold: token t goes to every expert e with score_te > threshold_e.
+
+    The thresholds come from previous batches (an EMA of `score_quantile`), so a token's experts
+    depend on that token alone: no leak from later tokens. Its best expert (largest margin
+    score - threshold) is always taken, so no token goes unprocessed. Until the thresholds have
+    seen a batch (`ready` False, a 0-dim bool tensor: read on the device, no host sync) a token takes
+    its token-choice top-k instead. Returns (ids_TK, weights_TK, valid_TK), K = max_slots or E;
+    with a cap, a token over it keeps its `max_slots` largest margins.
+    """
+    T, E = scores_TE.shape
+    M = max_slots or E
+    s = scores_TE.detach()
+    key_TE = torch.where(ready, s - threshold_E, s)
+    key_TM, ids_TM = key_TE.topk(M, dim=-1, sorted=True)
+    slot_M = torch.arange(M, device=s.device)
+    valid_TM = torch.where(ready, (key_TM > 0) | (slot_M == 0), slot_M < top_k)
+    weights_TM = scores_TE.gather(1, ids_TM) * valid_TM
+    if renormalize:
+        weights_TM = weights_TM / weights_TM.sum(-1, keepdim=True).clamp_min(1e-20)
+    return ids_TM, weights_TM * scaling_factor, valid_TM
+
+
+def make_hash_table(buckets: int, num_experts: int, top_k: int, seed: int = 0) -> torch.Tensor:
+    """A fixed table [buckets, K] of distinct experts per row, from a seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(buckets, num_experts, generator=g).argsort(dim=-1)[:, :top_k].contiguous()
+
+
+def hash_ids(token_ids_T: torch.Tensor, table_VK: torch.Tensor) -> torch.Tensor:
+    """Hash routing: the experts of a token are a function of its id alone."""
+    return table_VK[token_ids_T.reshape(-1) % table_VK.shape[0]]
+
+
+def forced_balance_ids(num_tokens: int, num_experts: int, top_k: int, device: torch.device | str = "cpu",
+                       generator: torch.Generator | None = None) -> torch.Tensor:
+    """Uniform random routing, balanced to within one pair per expert.
+
+    Pair (t, j) of the shuffled token order gets expert (perm[t] * K + j + r) mod E: the T*K
+    consecutive numbers hit every expert floor or ceil of T*K/E times, and a token's K consecutive
+    values are distinct because K <= E. The random permutation and offset make it uniform.
+    """
+    perm_T = torch.randperm(num_tokens, generator=generator).to(device)
+    r = int(torch.randint(num_experts, (1,), generator=generator))
+    slots_K = torch.arange(top_k, device=device)
+    return (perm_T[:, None] * top_k + slots_K + r) % num_experts
 
 
 def switch_aux_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, top_k: int) -> torch.Tensor:

@@ -1,0 +1,181 @@
+"""Alarms: the symptom map of mission.md section 8 as rules over routing.jsonl rows.
+
+Each rule reads one layer's row (plus a little history for dead experts and bias drift) and, when
+it fires, yields an `Alarm` naming the layer, step, metric, value, threshold, the likely cause and
+what to do. `HealthMonitor.check(record)` prints each (layer, kind) once per run and appends each
+first firing to `health.jsonl` in the run directory (format in docs/monitoring.md). The thresholds
+are defaults from the sources' figures, overridable per run.
+
+Rules:
+- collapse: global MaxVio above `maxvio_global`, or one expert taking more than `max_token_share`
+  of the tokens (and more than twice its fair share k/E).
+- dead_expert: an expert with no tokens over `dead_window` consecutive log intervals.
+- rogue_expert: output RMS max/median above `rms_max_over_median` (5,700x was observed).
+- dying_expert: output RMS min/median below `rms_min_over_median`.
+- aux_blind: the aux loss reads near its minimum 1.0 while global MaxVio is high: the router's
+  probabilities are flat, the real loads are not.
+- bias_drift: the largest |expert bias| above `bias_abs_max` and still growing over
+  `drift_window` intervals.
+- dropped / overflow: pairs dropped or EP buffer overflow (never silent on a dropless path).
+- bf16_flips: the bf16-vs-fp32 selection flip rate above `flip_bf16`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+ADVICE = {
+    "collapse": ("routing collapse: the router sends most tokens to few experts (aux loss too weak, "
+                 "bias rule off or too slow, learning rate too high for the router)",
+                 "raise balance.aux_loss_coeff or enable loss-free bias (balance.bias_update_rate) or "
+                 "quantile balancing; check the router learning rate; compare global with local MaxVio"),
+    "dead_expert": ("dead expert: the router never selects it, so it gets no gradient and cannot recover",
+                    "enable loss-free bias or quantile balancing (they lift unloaded experts); consider "
+                    "re-initialising the expert from a live one"),
+    "rogue_expert": ("rogue expert: its outputs grew far beyond the layer's median (weights or "
+                     "activations blowing up; often precedes a loss spike)",
+                     "set moe.act_clamp (e.g. 10) or act_softcap; lower the learning rate; check the "
+                     "expert's weight norm and low-precision scales"),
+    "dying_expert": ("dying expert: its output norm is collapsing toward zero (few tokens, or weights "
+                     "decayed)",
+                     "check its token count and weight decay; per-expert orthogonalised updates (Muon) "
+                     "keep rarely used experts moving"),
+    "aux_blind": ("the aux loss reads balanced (about 1.0) because the router probabilities are flat, "
+                  "while the real loads are skewed (ties broken by index, or a bias doing the selecting)",
+                  "judge balance by MaxVio, not the aux loss; check router initialisation and the "
+                  "router learning rate; use loss-free bias on real counts"),
+    "bias_drift": ("expert bias drifting without bound: the bias rule cannot balance this expert "
+                   "(its scores are out of reach, or the step u is too large)",
+                   "lower balance.bias_update_rate, or switch to quantile balancing; check the "
+                   "expert's scores"),
+    "dropped": ("pairs dropped: a capacity factor is set or a buffer is too small",
+                "use the dropless path (moe.capacity_factor=None)"),
+    "overflow": ("EP receive buffer overflow: routing demand exceeded ragged_buffer_factor",
+                 "raise the buffer factor or enable retry_when_tokens_dropped"),
+    "bf16_flips": ("the router runs close to ties: a bf16 router would flip expert choices",
+                   "keep the router in fp32 (the default); a z-loss keeps logits from growing"),
+}
+
+
+@dataclass
+class AlarmThresholds:
+    maxvio_global: float = 2.0
+    max_token_share: float = 0.5
+    dead_window: int = 3
+    rms_max_over_median: float = 100.0
+    rms_min_over_median: float = 1e-3
+    aux_balanced_tol: float = 0.05  # |aux - 1| below this reads "balanced"
+    aux_blind_maxvio: float = 1.0
+    bias_abs_max: float = 1.0
+    drift_window: int = 3
+    flip_bf16: float = 0.1
+
+
+@dataclass
+class Alarm:
+    kind: str
+    layer: int
+    step: int
+    metric: str
+    value: float
+    threshold: float
+    cause: str
+    action: str
+    expert: int | None = None
+
+    def line(self) -> str:
+        where = f"layer {self.layer}" + (f" expert {self.expert}" if self.expert is not None else "")
+        return (f"[dropless health] step {self.step} {where}: {self.kind}: {self.metric}={self.value:.4g} "
+                f"(threshold {self.threshold:.4g}). Likely: {self.cause}. Do: {self.action}.")
+
+
+def _alarm(kind: str, layer: int, step: int, metric: str, value: float, threshold: float,
+           expert: int | None = None) -> Alarm:
+    cause, action = ADVICE[kind]
+    return Alarm(kind, layer, step, metric, float(value), float(threshold), cause, action, expert)
+
+
+@dataclass
+class HealthMonitor:
+    """Stateful rule runner. `check(record)` per routing.jsonl row; returns the alarms that fired."""
+
+    run_dir: str | Path | None = None
+    thresholds: AlarmThresholds = field(default_factory=AlarmThresholds)
+    echo: bool = True
+    _zero_streak: dict[tuple[int, int], int] = field(default_factory=dict)
+    _bias_hist: dict[int, list[float]] = field(default_factory=dict)
+    _reported: set[tuple[int, str]] = field(default_factory=set)
+
+    def check(self, record: dict) -> list[Alarm]:
+        step = int(record["step"])
+        fired = [a for i, row in enumerate(record["layers"]) for a in self._rules(i, step, row)]
+        new = []
+        for a in fired:
+            key = (a.layer, a.kind)
+            if key in self._reported:
+                continue
+            self._reported.add(key)
+            new.append(a)
+            if self.echo:
+                print(a.line())
+            if self.run_dir is not None:
+                path = Path(self.run_dir) / "health.jsonl"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with path.open("a") as fh:
+                    fh.write(json.dumps(asdict(a)) + "\n")
+        return new
+
+    def _rules(self, i: int, step: int, row: dict) -> Iterator[Alarm]:
+        th = self.thresholds
+        counts = row["counts"]
+        vg = row.get("maxvio_global")
+        if vg is not None and vg > th.maxvio_global:
+            yield _alarm("collapse", i, step, "maxvio_global", vg, th.maxvio_global)
+        else:
+            total = sum(counts)
+            if total:
+                k = row.get("top_k", 1)
+                share = max(counts) * k / total  # fraction of the tokens that visit the busiest expert
+                # "most tokens" only means collapse when it is well above the fair share k/E
+                if share > th.max_token_share and share > 2 * k / len(counts):
+                    yield _alarm("collapse", i, step, "max_token_share", share, th.max_token_share,
+                                 expert=counts.index(max(counts)))
+        for e, c in enumerate(counts):
+            streak = self._zero_streak.get((i, e), 0) + 1 if c == 0 else 0
+            self._zero_streak[(i, e)] = streak
+            if streak >= th.dead_window:
+                yield _alarm("dead_expert", i, step, "intervals_without_tokens", streak, th.dead_window, e)
+        rmax, rmin = row.get("rms_max_over_median"), row.get("rms_min_over_median")
+        if rmax is not None and rmax > th.rms_max_over_median:
+            yield _alarm("rogue_expert", i, step, "rms_max_over_median", rmax, th.rms_max_over_median)
+        if rmin is not None and rmin < th.rms_min_over_median:
+            yield _alarm("dying_expert", i, step, "rms_min_over_median", rmin, th.rms_min_over_median)
+        aux = row.get("aux_loss")
+        if (aux is not None and vg is not None and abs(aux - 1.0) < th.aux_balanced_tol
+                and vg > th.aux_blind_maxvio):
+            yield _alarm("aux_blind", i, step, "maxvio_global", vg, th.aux_blind_maxvio)
+        b = row.get("bias_abs_max")
+        if b is not None:
+            hist = self._bias_hist.setdefault(i, [])
+            hist.append(b)
+            recent = hist[-(th.drift_window + 1):]
+            growing = len(recent) > th.drift_window and all(x < y for x, y in zip(recent, recent[1:]))
+            if b > th.bias_abs_max and growing:
+                yield _alarm("bias_drift", i, step, "bias_abs_max", b, th.bias_abs_max)
+        if row.get("dropped"):
+            yield _alarm("dropped", i, step, "dropped", row["dropped"], 0)
+        if row.get("overflow"):
+            yield _alarm("overflow", i, step, "overflow", row["overflow"], 0)
+        fb = row.get("flip_bf16")
+        if fb is not None and fb > th.flip_bf16:
+            yield _alarm("bf16_flips", i, step, "flip_bf16", fb, th.flip_bf16)
+
+
+def read_alarms(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "health.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,199 @@
+"""Routing-health statistics: device-side accumulation per step, one host sync per log interval.
+
+Legend: L MoE layers, E experts, T tokens, K experts per token.
+    counts_LE  pairs routed to each expert of each layer
+
+The layers return device tensors (MoEStats); `StepAccumulator` sums them over a step's
+micro-batches and over the steps of a log interval without reading anything on the host, and
+`record()` turns one log interval into the `routing.jsonl` row documented in docs/monitoring.md,
+with a single device-to-host copy. The flip-rate probes are separate functions the trainer calls on
+log steps only. Host-side helpers (maxvio, rms_ratios, load_summary) take plain lists so the report
+and the alarms can recompute them from files.
+
+MaxVio = max_e load_e / mean_e load_e - 1. Local: the worst micro-batch of the interval (on one
+rank); global: the worst optimizer step, counts summed over the step's micro-batches and ranks. A
+global 0.9 can hide a local 6: the experts' compute is ragged per micro-batch.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable, Sequence
+
+import torch
+
+from ..layers.balance import maxvio as maxvio_device
+from ..layers.moe import MoEStats
+from ..layers.router import Router
+from ..ops import routing
+
+
+def maxvio(counts_E: Sequence[float]) -> float:
+    mean = sum(counts_E) / max(len(counts_E), 1)
+    return max(counts_E) / mean - 1.0 if mean > 0 else 0.0
+
+
+def load_summary(counts_E: Sequence[float]) -> tuple[float, float, float]:
+    """(min, median, max) tokens per expert."""
+    return float(min(counts_E)), float(statistics.median(counts_E)), float(max(counts_E))
+
+
+def rms_ratios(out_sq_E: Sequence[float], counts_E: Sequence[float]) -> tuple[float | None, float | None]:
+    """(max / median, min / median) of the per-expert output RMS, over experts that got rows.
+
+    RMS_e = sqrt(out_sq_e / counts_e): the root mean square of expert e's output entries. Experts
+    without rows have no RMS (the dead-expert rule covers them). None when no expert has rows or the
+    median RMS is 0.
+    """
+    rms = [(s / c) ** 0.5 for s, c in zip(out_sq_E, counts_E) if c > 0]
+    if not rms:
+        return None, None
+    med = statistics.median(rms)
+    if med <= 0:
+        return None, None
+    return max(rms) / med, min(rms) / med
+
+
+def flip_rate(ids_a_TK: torch.Tensor, ids_b_TK: torch.Tensor, valid_a_TK: torch.Tensor | None = None,
+              valid_b_TK: torch.Tensor | None = None, num_experts: int | None = None) -> torch.Tensor:
+    """Fraction of tokens whose set of experts differs between two routings of the same tokens
+    (slot order ignored). A device scalar. Used step to step on a fixed probe batch."""
+    E = num_experts or int(max(int(ids_a_TK.max()), int(ids_b_TK.max()))) + 1
+    a = _expert_set_TE(ids_a_TK, valid_a_TK, E)
+    b = _expert_set_TE(ids_b_TK, valid_b_TK, E)
+    return (a != b).any(-1).float().mean()
+
+
+def _expert_set_TE(ids_TK: torch.Tensor, valid_TK: torch.Tensor | None, E: int) -> torch.Tensor:
+    hot_TKE = torch.nn.functional.one_hot(ids_TK, E).bool()
+    if valid_TK is not None:
+        hot_TKE = hot_TKE & valid_TK.unsqueeze(-1)
+    return hot_TKE.any(1)
+
+
+@torch.no_grad()
+def bf16_flip_rate(router: Router, x_TD: torch.Tensor) -> torch.Tensor:
+    """Fraction of tokens whose token-choice top-k set changes when the router GEMM runs in bf16
+    (input and weight cast to bf16, product rounded to bf16) instead of fp32. A device scalar.
+    Measures how close to ties the router runs: a rising rate means a bf16 router would flip."""
+    c = router.cfg
+    kw = dict(top_k=router.top_k, score_func=c.score_func, pre_softmax=c.pre_softmax,
+              n_groups=c.n_groups, topk_groups=c.topk_groups, bias_E=router.expert_bias)
+    logits32 = torch.nn.functional.linear(x_TD.float(), router.weight.float())
+    logits16 = torch.nn.functional.linear(x_TD.bfloat16(), router.weight.bfloat16()).float()
+    ids32, _, _ = routing.topk_route(logits32, **kw)
+    ids16, _, _ = routing.topk_route(logits16, **kw)
+    return flip_rate(ids32, ids16, num_experts=router.num_experts)
+
+
+class StepAccumulator:
+    """Device-side sums of the layers' statistics over micro-batches, steps and one log interval.
+
+    Per micro-batch: `add(layer, out.stats, out.aux_loss)` for every MoE layer.
+    Per optimizer step: all-reduce `step_counts_LE` (sum) over data-parallel ranks if any (the
+    global aux loss and the bias rules need the same sum), then `end_step()`.
+    Per log interval: all-reduce `interval_tensors()` with the op named for each, then
+    `record(step, ...)` (one host sync), which also resets the interval.
+    """
+
+    def __init__(self, num_layers: int, num_experts: int, top_k: int,
+                 device: torch.device | str = "cpu") -> None:
+        self.L, self.E, self.top_k, self.device = num_layers, num_experts, top_k, device
+        z = lambda *s: torch.zeros(*s, device=device)  # noqa: E731
+        self.step_counts_LE = z(num_layers, num_experts)
+        # interval tensors
+        self.counts_LE = z(num_layers, num_experts)
+        self.maxvio_local_L = z(num_layers)
+        self.maxvio_global_L = z(num_layers)
+        self.dropped_L = z(num_layers)
+        self.aux_sum_L, self.aux_n_L = z(num_layers), z(num_layers)
+        self.out_sq_LE = z(num_layers, num_experts)
+        self.detail_counts_LE = z(num_layers, num_experts)  # counts of the calls that had out_sq
+        self.entropy_sum_L, self.top12_sum_L, self.detail_n_L = z(num_layers), z(num_layers), z(num_layers)
+
+    def add(self, layer: int, stats: MoEStats, aux_loss: torch.Tensor | None = None) -> None:
+        counts = stats.tokens_per_expert_E.detach().float()
+        self.step_counts_LE[layer] += counts
+        self.maxvio_local_L[layer] = torch.maximum(self.maxvio_local_L[layer], maxvio_device(counts))
+        self.dropped_L[layer] += stats.pairs_dropped.float()
+        if aux_loss is not None:
+            self.aux_sum_L[layer] += aux_loss.detach().float()
+            self.aux_n_L[layer] += 1
+        if stats.out_sq_E is not None:
+            self.out_sq_LE[layer] += stats.out_sq_E.float()
+            self.detail_counts_LE[layer] += counts
+        if stats.router_entropy is not None:
+            self.entropy_sum_L[layer] += stats.router_entropy.float()
+            self.top12_sum_L[layer] += stats.top1_top2_ratio.float()
+            self.detail_n_L[layer] += 1
+
+    def end_step(self) -> None:
+        step = self.step_counts_LE
+        vio_L = torch.stack([maxvio_device(step[i]) for i in range(self.L)])
+        self.maxvio_global_L = torch.maximum(self.maxvio_global_L, vio_L)
+        self.counts_LE += step
+        step.zero_()
+
+    def interval_tensors(self) -> dict[str, tuple[torch.Tensor, str]]:
+        """Tensors to all-reduce over data-parallel ranks before `record`: name -> (tensor, op)."""
+        t = {n: (getattr(self, n), "sum") for n in (
+            "counts_LE", "dropped_L", "aux_sum_L", "aux_n_L", "out_sq_LE", "detail_counts_LE",
+            "entropy_sum_L", "top12_sum_L", "detail_n_L")}
+        t["maxvio_local_L"] = (self.maxvio_local_L, "max")
+        t["maxvio_global_L"] = (self.maxvio_global_L, "max")
+        return t
+
+    def record(self, step: int, *, flip_bf16: Sequence[float | torch.Tensor | None] | None = None,
+               flip_step: Sequence[float | torch.Tensor | None] | None = None,
+               overflow: Sequence[int | torch.Tensor | None] | None = None,
+               bias: Sequence[torch.Tensor | None] | None = None) -> dict:
+        """The routing.jsonl row for this log interval; resets the interval. Per-layer optional
+        inputs: probe flip rates, EP buffer overflow counts, expert bias tensors."""
+        L = self.L
+        per_layer = lambda seq: list(seq) if seq is not None else [None] * L  # noqa: E731
+        fb, fs, ov, bs = per_layer(flip_bf16), per_layer(flip_step), per_layer(overflow), per_layer(bias)
+        dev = lambda v: torch.as_tensor(float("nan") if v is None else v, dtype=torch.float32,  # noqa: E731
+                                        device=self.device).reshape(())
+        bias_max = [dev(None) if b is None else b.detach().abs().max().float() for b in bs]
+        # one host sync for everything
+        host = torch.cat([
+            self.counts_LE.view(-1), self.out_sq_LE.view(-1), self.detail_counts_LE.view(-1),
+            self.maxvio_local_L, self.maxvio_global_L, self.dropped_L, self.aux_sum_L, self.aux_n_L,
+            self.entropy_sum_L, self.top12_sum_L, self.detail_n_L,
+            torch.stack([dev(v) for v in fb]), torch.stack([dev(v) for v in fs]),
+            torch.stack([dev(v) for v in ov]), torch.stack(bias_max),
+        ]).tolist()
+        LE = L * self.E
+        counts, out_sq, dcounts = host[:LE], host[LE:2 * LE], host[2 * LE:3 * LE]
+        cols = [host[3 * LE + i * L: 3 * LE + (i + 1) * L] for i in range(12)]
+        vl, vg, dropped, aux_s, aux_n, ent, t12, dn, fbh, fsh, ovh, bmh = cols
+        nan = lambda v: None if v != v else v  # noqa: E731
+        layers = []
+        for i in range(L):
+            c = [int(v) for v in counts[i * self.E:(i + 1) * self.E]]
+            lo, med, hi = load_summary(c)
+            rmax, rmin = (rms_ratios(out_sq[i * self.E:(i + 1) * self.E], dcounts[i * self.E:(i + 1) * self.E])
+                          if dn[i] > 0 else (None, None))
+            layers.append({
+                "counts": c, "maxvio_local": vl[i], "maxvio_global": vg[i],
+                "tokens_min": lo, "tokens_median": med, "tokens_max": hi,
+                "rms_max_over_median": rmax, "rms_min_over_median": rmin,
+                "entropy": ent[i] / dn[i] if dn[i] else None,
+                "top1_top2": t12[i] / dn[i] if dn[i] else None,
+                "flip_bf16": nan(fbh[i]), "flip_step": nan(fsh[i]),
+                "dropped": int(dropped[i]), "overflow": None if ovh[i] != ovh[i] else int(ovh[i]),
+                "aux_loss": aux_s[i] / aux_n[i] if aux_n[i] else None,
+                "bias_abs_max": nan(bmh[i]), "top_k": self.top_k,
+            })
+        self.reset()
+        return {"step": int(step), "layers": layers}
+
+    def reset(self) -> None:
+        for name, (t, _) in self.interval_tensors().items():
+            t.zero_()
+        self.step_counts_LE.zero_()
+
+    def all_reduce(self, fn: Callable[[torch.Tensor, str], None]) -> None:
+        """Apply `fn(tensor, op)` (op "sum" or "max") to every interval tensor, in a fixed order."""
+        for _, (t, op) in sorted(self.interval_tensors().items()):
+            fn(t, op)
