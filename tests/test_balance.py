@@ -105,7 +105,7 @@ def test_maxvio() -> None:
           balance=BalanceConfig(quantile_balance=True, bias_update_rate=1e-3)), "choose one"),
     (dict(router=RouterConfig(use_expert_bias=True), balance=BalanceConfig(bias_update_rate=0.2)),
      "bias_update_rate=0.2"),
-    (dict(balance=BalanceConfig(aux_loss_scope="epoch")), "aux_loss_scope"),
+    (dict(balance=BalanceConfig(seq_aux_loss_coeff=-1.0)), "seq_aux_loss_coeff=-1.0"),
     (dict(router=RouterConfig(strategy="expert_threshold", max_experts_per_token=9)), "max_experts"),
     (dict(router=RouterConfig(threshold_momentum=1.0)), "threshold_momentum"),
 ])
@@ -121,17 +121,18 @@ def test_config_accepts_sound_balancing() -> None:
     MoEConfig(num_experts=8, top_k=2, router=RouterConfig(use_expert_bias=True, pre_softmax=False),
               balance=BalanceConfig(bias_update_rate=0.5))
     MoEConfig(num_experts=8, top_k=2, router=RouterConfig(use_expert_bias=True),
-              balance=BalanceConfig(quantile_balance=True, aux_loss_scope="sequence"))
+              balance=BalanceConfig(quantile_balance=True, seq_aux_loss_coeff=0.01,
+                                        global_aux_loss_coeff=0.01))
 
 
 def test_layer_sequence_scope_and_global_probabilities() -> None:
     from dropless.layers.moe import MoELayer
     torch.manual_seed(0)
-    cfg = MoEConfig(num_experts=5, top_k=2, d_expert=8, balance=BalanceConfig(aux_loss_scope="sequence"))
+    cfg = MoEConfig(num_experts=5, top_k=2, d_expert=8, balance=BalanceConfig(seq_aux_loss_coeff=0.1))
     layer = MoELayer(16, cfg)
     x = torch.randn(3, 7, 16)
     out = layer(x)
     d = layer.router(x.view(21, 16))
-    torch.testing.assert_close(out.aux_loss, balance.sequence_aux_loss(d.scores_TE, d.ids_TK, 7))
+    torch.testing.assert_close(out.seq_aux_loss, balance.sequence_aux_loss(d.scores_TE, d.ids_TK, 7))
     torch.testing.assert_close(out.probs_mean_E, d.scores_TE.mean(0))
     assert out.probs_mean_E.requires_grad  # the global aux loss backpropagates through it

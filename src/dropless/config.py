@@ -27,7 +27,6 @@ BACKENDS = ("auto", "grouped_mm", "loop", "padded_bmm")
 DROP_POLICIES = ("position", "score")
 PRECISIONS = ("bf16", "mxfp8", "fp8_blockwise", "nvfp4", "mxfp4")
 STRATEGIES = ("token_choice", "expert_choice", "expert_threshold", "hash", "forced_balance")
-AUX_SCOPES = ("micro_batch", "sequence", "global_batch")
 
 
 def _fail(name: str, value: Any, why: str) -> None:
@@ -109,21 +108,23 @@ class RouterConfig:
 class BalanceConfig:
     """Load-balancing losses and rules (mission.md section 3)."""
 
-    aux_loss_coeff: float = 0.01  # Switch aux loss, micro-batch scope
+    # Switch aux losses by scope; any combination, each with its coefficient (0 = off):
+    aux_loss_coeff: float = 0.01  # micro-batch: f and P from the same micro-batch
+    seq_aux_loss_coeff: float = 0.0  # sequence: per sequence, averaged
+    # global batch: f summed over the step's micro-batches and data-parallel ranks (the trainer forms
+    # it, layers/balance.py); keeps domain specialisation that a micro-batch loss fights
+    global_aux_loss_coeff: float = 0.0
     z_loss_coeff: float = 1e-3  # router z-loss: mean(logsumexp(logits)^2)
     bias_update_rate: float = 0.0  # loss-free bias step u (0 = off); needs router.use_expert_bias
     # Quantile balancing: set the bias each step from the score distribution (layers/balance.py).
     quantile_balance: bool = False
-    # Aux-loss scope: micro_batch, sequence (per sequence, averaged), global_batch (counts summed
-    # over the step's micro-batches and data-parallel ranks: the trainer forms it, balance.py).
-    aux_loss_scope: str = "micro_batch"
 
     def validate(self, prefix: str) -> None:
-        for name in ("aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
+        for name in ("aux_loss_coeff", "seq_aux_loss_coeff", "global_aux_loss_coeff", "z_loss_coeff",
+                     "bias_update_rate"):
             value = getattr(self, name)
             if not value >= 0:
                 _fail(f"{prefix}.{name}", value, "must be >= 0")
-        _choice(f"{prefix}.aux_loss_scope", self.aux_loss_scope, AUX_SCOPES)
         if self.quantile_balance and self.bias_update_rate > 0:
             _fail(f"{prefix}.quantile_balance", self.quantile_balance,
                   "and bias_update_rate > 0 both write the expert bias; choose one")

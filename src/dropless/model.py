@@ -23,7 +23,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .layers.mlp import MLP
-from .layers.moe import MoELayer, MoEStats
+from .layers.moe import MoELayer, MoEOutput, MoEStats
 
 
 class RMSNorm(nn.Module):
@@ -70,9 +70,7 @@ class Attention(nn.Module):
 @dataclass(frozen=True)
 class BlockOutput:
     x: torch.Tensor
-    aux_loss: torch.Tensor | None = None
-    z_loss: torch.Tensor | None = None
-    stats: MoEStats | None = None
+    moe: MoEOutput | None = None
 
 
 class Block(nn.Module):
@@ -90,13 +88,13 @@ class Block(nn.Module):
         return isinstance(self.ffn, MoELayer)
 
     def forward(self, x: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor,
-                replay_ids: torch.Tensor | None = None) -> BlockOutput:
+                replay_ids: torch.Tensor | None = None, token_ids: torch.Tensor | None = None) -> BlockOutput:
         x = x + self.attn(self.attn_norm(x), cos_SF, sin_SF)
         h = self.ffn_norm(x)
         if not self.is_moe:
             return BlockOutput(x + self.ffn(h))
-        out = self.ffn(h, replay_ids)
-        return BlockOutput(x + out.y, out.aux_loss, out.z_loss, out.stats)
+        out = self.ffn(h, replay_ids, token_ids)
+        return BlockOutput(x + out.y, out)
 
 
 @dataclass(frozen=True)
@@ -104,10 +102,12 @@ class ModelOutput:
     logits: torch.Tensor  # B S V
     loss: torch.Tensor | None  # cross-entropy + weighted MoE losses (what to backpropagate)
     ce_loss: torch.Tensor | None  # nats per token
-    moe_loss: torch.Tensor  # sum over MoE layers of aux_coeff * aux + z_coeff * z
-    aux_losses: list[torch.Tensor]  # per MoE layer, without coefficients
-    z_losses: list[torch.Tensor]
-    stats: list[MoEStats]  # per MoE layer
+    moe_loss: torch.Tensor  # sum over MoE layers of each balancing loss times its coefficient
+    moe: list[MoEOutput]  # per MoE layer: losses without coefficients, statistics
+
+    @property
+    def stats(self) -> list[MoEStats]:
+        return [m.stats for m in self.moe]
 
 
 class MoEModel(nn.Module):
@@ -141,25 +141,31 @@ class MoEModel(nn.Module):
             raise ValueError(f"sequence length {S} exceeds model.max_seq_len={self.cfg.max_seq_len}")
         x = self.embed(tokens_BS)
         cos, sin = self.rope_cos[:S], self.rope_sin[:S]
-        aux, zl, stats = [], [], []
+        moe: list[MoEOutput] = []
         for block in self.blocks:
-            ids = replay_ids[len(stats)] if (replay_ids is not None and block.is_moe) else None
-            out = block(x, cos, sin, ids)
+            ids = replay_ids[len(moe)] if (replay_ids is not None and block.is_moe) else None
+            out = block(x, cos, sin, ids, tokens_BS)
             x = out.x
-            if out.stats is not None:
-                aux.append(out.aux_loss)
-                zl.append(out.z_loss)
-                stats.append(out.stats)
+            if out.moe is not None:
+                moe.append(out.moe)
         logits = self.head(self.norm(x))
-        bal = self.cfg.moe.balance
-        moe_loss = logits.new_zeros((), dtype=torch.float32)
-        for a, z in zip(aux, zl):
-            moe_loss = moe_loss + bal.aux_loss_coeff * a + bal.z_loss_coeff * z
+        moe_loss = self.balancing_loss(moe)
         ce = loss = None
         if targets_BS is not None:
             ce = F.cross_entropy(logits.float().view(B * S, -1), targets_BS.reshape(-1))
             loss = ce + moe_loss
-        return ModelOutput(logits, loss, ce, moe_loss, aux, zl, stats)
+        return ModelOutput(logits, loss, ce, moe_loss, moe)
+
+    def balancing_loss(self, moe: list[MoEOutput]) -> torch.Tensor:
+        """Sum over MoE layers of the coefficient-weighted micro-batch and sequence aux losses and the
+        z-loss. The global-batch aux loss needs the whole step's counts, so the trainer adds it."""
+        bal = self.cfg.moe.balance
+        total = torch.zeros((), dtype=torch.float32, device=self.embed.weight.device)
+        for m in moe:
+            total = total + bal.aux_loss_coeff * m.aux_loss + bal.z_loss_coeff * m.z_loss
+            if m.seq_aux_loss is not None:
+                total = total + bal.seq_aux_loss_coeff * m.seq_aux_loss
+        return total
 
     def num_params(self) -> dict[str, int]:
         """Total and active (per token) parameter counts; embeddings counted once when tied."""

@@ -57,10 +57,10 @@ def test_resume_is_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     trainer = Trainer(tiny(), broken)
     real_step = trainer.train_step
 
-    def crash_after_14(step: int):
+    def crash_after_14(step: int, *args):
         if step == 14:
             raise KeyboardInterrupt("simulated crash")
-        return real_step(step)
+        return real_step(step, *args)
 
     monkeypatch.setattr(trainer, "train_step", crash_after_14)
     with pytest.raises(KeyboardInterrupt):
@@ -69,6 +69,8 @@ def test_resume_is_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     Trainer(tiny(), broken, resume=True).fit()
     assert rows(full, "loss") == rows(broken, "loss")  # bit-identical floats, rows 10..13 replaced
     assert rows(full, "val_loss") == rows(broken, "val_loss")
+    # the routing record too, flip rates on the probe batch included
+    assert (full / "routing.jsonl").read_text() == (broken / "routing.jsonl").read_text()
 
 
 def test_two_runs_identical(tmp_path: Path) -> None:

@@ -49,10 +49,11 @@ class MoEStats:
 @dataclass(frozen=True)
 class MoEOutput:
     y: torch.Tensor  # same shape as the input
-    aux_loss: torch.Tensor  # aux loss at the configured scope (micro-batch for global_batch), no coeff
+    aux_loss: torch.Tensor  # micro-batch Switch aux loss, without its coefficient
     z_loss: torch.Tensor  # router z-loss, without its coefficient
     stats: MoEStats
     probs_mean_E: torch.Tensor | None = None  # mean router probability, with grad: global aux loss
+    seq_aux_loss: torch.Tensor | None = None  # sequence-scope aux loss (when its coefficient is > 0)
 
 
 def expert_out_sq(y_RD: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
@@ -118,12 +119,12 @@ class MoELayer(nn.Module):
         E, K = self.cfg.num_experts, self.cfg.top_k
         counts_E = routing.expert_counts(decision.ids_TK, E, decision.valid_TK)
         probs_TE = routing.router_probs(decision.scores_TE, self.cfg.router.score_func)
-        if self.cfg.balance.aux_loss_scope == "sequence":
+        aux = routing.switch_aux_loss(probs_TE, counts_E, K)
+        seq_aux = None
+        if self.cfg.balance.seq_aux_loss_coeff > 0:
             # sequences are the second-to-last dim of x ([B, S, D]); a flat [T, D] input is one sequence
             seq_len = shape[-2] if len(shape) >= 3 else x_TD.shape[0]
-            aux = balance.sequence_aux_loss(probs_TE, decision.ids_TK, seq_len, decision.valid_TK)
-        else:
-            aux = routing.switch_aux_loss(probs_TE, counts_E, K)
+            seq_aux = balance.sequence_aux_loss(probs_TE, decision.ids_TK, seq_len, decision.valid_TK)
         stats = self._stats(decision, counts_E, probs_TE, meta.pairs_dropped, y_RD, batch.offsets_E)
         return MoEOutput(
             y=y_TD.view(shape),
@@ -131,6 +132,7 @@ class MoELayer(nn.Module):
             z_loss=routing.z_loss(decision.logits_TE),
             stats=stats,
             probs_mean_E=probs_TE.mean(0),
+            seq_aux_loss=seq_aux,
         )
 
     def _stats(self, decision, counts_E: torch.Tensor, probs_TE: torch.Tensor, dropped: torch.Tensor,

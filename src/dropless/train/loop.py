@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,43 +25,20 @@ from ..config import RunConfig, save_config, to_dict
 from ..model import MoEModel
 from . import checkpoint as ckpt
 from .data import eval_batches, get_batch, load_splits
+from .health import TrainHealth, global_aux_terms
 from .optim import build_optimizer
 from .schedule import lr_at
 from .sinks import JsonlLog, Progress, TensorBoard
 from .tokenizer import load_tokenizer
 
 
-def maxvio(counts_E: torch.Tensor) -> torch.Tensor:
-    """max_e load_e / mean_e load_e - 1 (0 = perfect balance), as a device scalar."""
-    c = counts_E.float()
-    return c.max() / c.mean().clamp_min(1e-9) - 1
-
-
 @dataclass
-class StepStats:
-    """Device-side sums over one optimizer step (all micro-batches)."""
+class StepLosses:
+    """Device-side means over one optimizer step's micro-batches."""
 
     loss: torch.Tensor
     ce: torch.Tensor
     moe: torch.Tensor
-    counts: list[torch.Tensor] = field(default_factory=list)  # per MoE layer, summed
-    local_maxvio: list[torch.Tensor] = field(default_factory=list)  # per layer, worst micro-batch
-    dropped: list[torch.Tensor] = field(default_factory=list)
-
-    @classmethod
-    def zeros(cls, n_layers: int, num_experts: int) -> "StepStats":
-        z = lambda: torch.zeros((), dtype=torch.float32)  # noqa: E731
-        return cls(z(), z(), z(), [torch.zeros(num_experts, dtype=torch.int64) for _ in range(n_layers)],
-                   [z() for _ in range(n_layers)], [torch.zeros((), dtype=torch.int64) for _ in range(n_layers)])
-
-    def add(self, out: Any, scale: float) -> None:
-        self.loss += out.loss.detach().float() * scale
-        self.ce += out.ce_loss.detach().float() * scale
-        self.moe += out.moe_loss.detach().float() * scale
-        for i, st in enumerate(out.stats):
-            self.counts[i] += st.tokens_per_expert_E
-            self.local_maxvio[i] = torch.maximum(self.local_maxvio[i], maxvio(st.tokens_per_expert_E))
-            self.dropped[i] += st.pairs_dropped
 
 
 class Trainer:
@@ -87,13 +64,19 @@ class Trainer:
         self.start_step = 0
         self.metrics = JsonlLog(self.run_dir / "metrics.jsonl")
         self.routing = JsonlLog(self.run_dir / "routing.jsonl")
+        self.health_log = JsonlLog(self.run_dir / "health.jsonl")
         if resume:
             self._resume()
         else:
-            for log in (self.metrics, self.routing):
+            for log in (self.metrics, self.routing, self.health_log):
                 log.truncate_from(0)
+        probe = next(iter(eval_batches(self.val_tokens, min(4, t.batch_size), t.seq_len, 1)))[0]
+        self.health = TrainHealth(self.model, self.run_dir, probe, echo=cfg.log.progress)
+        if resume:
+            self.health.restore(self._resume_state.get("health", {}), self.routing.read())
         save_config(cfg, self.run_dir / "config.toml")
         self.autocast_dtype = torch.bfloat16 if t.dtype == "bf16" else None
+        self.world_size = 1
 
     # ---------------------------------------------------------------------------------------------
 
@@ -106,13 +89,15 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         ckpt.set_rng_state(state["rng"])
         self.start_step = int(state["step"])
-        for log in (self.metrics, self.routing):
+        self._resume_state = state
+        for log in (self.metrics, self.routing, self.health_log):
             log.truncate_from(self.start_step)
         print(f"resumed from {path} at step {self.start_step}")
 
     def save(self, next_step: int) -> Path:
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "step": next_step, "rng": ckpt.rng_state(), "config": to_dict(self.cfg)}
+                 "step": next_step, "rng": ckpt.rng_state(), "config": to_dict(self.cfg),
+                 "health": self.health.state_dict()}
         return ckpt.save_checkpoint(self.run_dir, next_step, state, keep_last=self.cfg.train.keep_last)
 
     def autocast(self) -> torch.autocast:
@@ -131,43 +116,74 @@ class Trainer:
         self.model.train()
         return total / max(n, 1)
 
-    def train_step(self, step: int) -> tuple[StepStats, torch.Tensor]:
+    def _global_counts(self, step: int) -> torch.Tensor | None:
+        """Counts of the whole step (all micro-batches, all ranks) before any backward, for the
+        global-batch aux loss. With one micro-batch they come from the forward itself (None here);
+        with several, a no-grad forward pre-pass computes them: one extra forward per step, the price
+        of an exact global loss under accumulation (layers/balance.py)."""
+        t = self.cfg.train
+        if self.cfg.model.moe.balance.global_aux_loss_coeff == 0 or t.grad_accum == 1:
+            return None
+        L, E = self.cfg.model.n_moe_layers, self.cfg.model.moe.num_experts
+        counts = torch.zeros(L, E)
+        with torch.no_grad():
+            for micro in range(t.grad_accum):
+                x, _ = get_batch(self.train_tokens, step, micro, t.batch_size, t.seq_len, t.seed)
+                with self.autocast():
+                    out = self.model(x)
+                counts += torch.stack([s.tokens_per_expert_E.float() for s in out.stats])
+        self.health.reduce(counts, "sum")
+        return counts
+
+    def train_step(self, step: int, log_step: bool = False) -> tuple[StepLosses, torch.Tensor]:
         t = self.cfg.train
         lr = lr_at(step, base_lr=t.lr, warmup_steps=t.warmup_steps, total_steps=t.steps, kind=t.schedule,
                    min_lr_ratio=t.min_lr_ratio, decay_fraction=t.decay_fraction)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        moe = self.cfg.model.moe
-        stats = StepStats.zeros(self.cfg.model.n_moe_layers, moe.num_experts)
+        bal, K = self.cfg.model.moe.balance, self.cfg.model.moe.top_k
+        pre_counts = self._global_counts(step)
+        self.health.begin_step(log_step)
+        zero = lambda: torch.zeros(())  # noqa: E731
+        sums = StepLosses(zero(), zero(), zero())
         for micro in range(t.grad_accum):
             x, y = get_batch(self.train_tokens, step, micro, t.batch_size, t.seq_len, t.seed)
             with self.autocast():
                 out = self.model(x, y)
-            (out.loss / t.grad_accum).backward()
-            stats.add(out, 1.0 / t.grad_accum)
+            loss, moe_loss = out.loss, out.moe_loss
+            if bal.global_aux_loss_coeff > 0 and out.moe:
+                counts = pre_counts
+                if counts is None:
+                    counts = torch.stack([s.tokens_per_expert_E.float() for s in out.stats])
+                    self.health.reduce(counts, "sum")
+                extra = bal.global_aux_loss_coeff * global_aux_terms(
+                    out, counts, K, num_tokens=x.numel(), num_terms=t.grad_accum * self.world_size)
+                loss, moe_loss = loss + extra, moe_loss + extra
+            (loss / t.grad_accum).backward()
+            self.health.add_micro(out)
+            sums.loss += loss.detach().float() / t.grad_accum
+            sums.ce += out.ce_loss.detach().float() / t.grad_accum
+            sums.moe += moe_loss.detach().float() / t.grad_accum
         if t.grad_clip > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
         else:
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return stats, grad_norm
+        self.health.end_step()
+        return sums, grad_norm
 
-    def log_row(self, step: int, stats: StepStats, grad_norm: torch.Tensor, tokens_per_s: float) -> dict:
-        # The one host sync of the interval: everything is stacked and read together.
-        vio_g = [maxvio(c) for c in stats.counts]
-        flat = torch.stack([stats.loss, stats.ce, stats.moe, grad_norm.float()] + vio_g + stats.local_maxvio)
-        values = flat.tolist()
-        n = len(stats.counts)
+    def log_row(self, step: int, sums: StepLosses, grad_norm: torch.Tensor, tokens_per_s: float) -> dict:
+        # The one host sync of the interval for the losses; the routing record makes its own.
+        values = torch.stack([sums.loss, sums.ce, sums.moe, grad_norm.float()]).tolist()
         row = {"step": step, "loss": values[0], "ce_loss": values[1], "moe_loss": values[2],
                "grad_norm": values[3], "lr": self.optimizer.param_groups[0]["lr"],
                "tokens_per_s": tokens_per_s}
-        if n:
-            row["maxvio_global"] = max(values[4:4 + n])
-            row["maxvio_local"] = max(values[4 + n:4 + 2 * n])
-            layers = [{"counts": c.tolist(), "maxvio_global": values[4 + i], "maxvio_local": values[4 + n + i],
-                       "dropped": int(d)} for i, (c, d) in enumerate(zip(stats.counts, stats.dropped))]
-            self.routing.write({"step": step, "layers": layers})
+        record = self.health.record(step, self.autocast(), self.run_dir)
+        if record:
+            row["maxvio_global"] = max(layer["maxvio_global"] for layer in record["layers"])
+            row["maxvio_local"] = max(layer["maxvio_local"] for layer in record["layers"])
+            row["pairs_dropped"] = sum(layer["dropped"] for layer in record["layers"])
         return row
 
     def fit(self) -> dict[str, Any]:
@@ -184,9 +200,10 @@ class Trainer:
         start_wall = time.perf_counter()
         try:
             for step in range(self.start_step, t.steps):
-                stats, grad_norm = self.train_step(step)
                 last = step + 1 == t.steps
-                if (step + 1) % cfg.log.log_every == 0 or last or step == self.start_step:
+                log_step = (step + 1) % cfg.log.log_every == 0 or last or step == 0
+                stats, grad_norm = self.train_step(step, log_step)
+                if log_step:
                     now = time.perf_counter()
                     tps = tokens_per_step * (step + 1 - last_step) / max(now - last_time, 1e-9)
                     last_time, last_step = now, step + 1

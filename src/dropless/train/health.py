@@ -1,0 +1,159 @@
+"""Routing health and balancing rules, as the trainer runs them.
+
+Per micro-batch the MoE layers' statistics (device tensors) go into a `StepAccumulator`. Per
+optimizer step the step's counts are summed over data-parallel ranks and feed the balancing rules
+that move router buffers (loss-free bias, quantile balancing, expert-threshold EMA): once per
+optimizer step, outside the forward pass, so gradient accumulation or recompute never count a step
+twice. Per log interval: one host sync for the whole record, probe-batch flip rates, the alarms.
+
+The probe batch is fixed for the run (the first validation window), so the step-to-step flip rate
+measures the router changing, not the data.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..layers import balance
+from ..layers.moe import MoELayer
+from ..model import MoEModel, ModelOutput
+from ..monitor import stats as mstats
+from ..monitor.alarms import HealthMonitor
+
+AllReduce = Callable[[torch.Tensor, str], None]  # (tensor, "sum" | "max"), in place
+
+
+def _no_reduce(t: torch.Tensor, op: str) -> None:
+    return None
+
+
+class TrainHealth:
+    def __init__(self, model: MoEModel, run_dir: Path, probe_BS: torch.Tensor,
+                 all_reduce: AllReduce | None = None, echo: bool = True) -> None:
+        self.model = model
+        self.layers: list[MoELayer] = model.moe_layers()
+        moe = model.cfg.moe
+        self.cfg = moe
+        self.reduce = all_reduce or _no_reduce
+        dev = model.embed.weight.device
+        self.acc = mstats.StepAccumulator(len(self.layers), moe.num_experts, moe.top_k, dev)
+        self.monitor = HealthMonitor(run_dir, echo=echo)
+        self.probe_BS = probe_BS
+        self.prev_probe_ids: list[torch.Tensor | None] = [None] * len(self.layers)
+        self._quantile: list[torch.Tensor] = []
+        self._threshold: list[torch.Tensor] = []
+        self._n_micro = 0
+
+    # -- resume ---------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {"prev_probe_ids": [p for p in self.prev_probe_ids]}
+
+    def restore(self, state: dict, routing_rows: list[dict]) -> None:
+        """Continue as if never stopped: the probe ids of the last log step come from the checkpoint;
+        the alarm rules' memory (streaks, what was already reported) is rebuilt by replaying the
+        routing rows written before the checkpoint, without printing or writing them again."""
+        self.prev_probe_ids = list(state.get("prev_probe_ids", self.prev_probe_ids))
+        run_dir, echo = self.monitor.run_dir, self.monitor.echo
+        self.monitor.run_dir, self.monitor.echo = None, False
+        for row in routing_rows:
+            self.monitor.check(row)
+        self.monitor.run_dir, self.monitor.echo = run_dir, echo
+
+    # -- per step -----------------------------------------------------------------------------------
+
+    def begin_step(self, log_step: bool) -> None:
+        for layer in self.layers:
+            layer.detailed_stats = log_step
+        self._quantile, self._threshold, self._n_micro = [], [], 0
+
+    def add_micro(self, out: ModelOutput) -> None:
+        for i, m in enumerate(out.moe):
+            self.acc.add(i, m.stats, m.aux_loss)
+        if self.cfg.balance.quantile_balance:
+            q = torch.stack([m.stats.quantile_bias_E for m in out.moe])
+            self._quantile.append(q)
+        if self.cfg.router.strategy == "expert_threshold":
+            self._threshold.append(torch.stack([m.stats.score_quantile_E for m in out.moe]))
+        self._n_micro += 1
+
+    def _mean_over_micro_and_ranks(self, items: list[torch.Tensor]) -> torch.Tensor:
+        total = torch.stack(items).sum(0)
+        n = torch.tensor(float(len(items)), device=total.device)
+        self.reduce(total, "sum")
+        self.reduce(n, "sum")
+        return total / n
+
+    @torch.no_grad()
+    def end_step(self) -> None:
+        """After the optimizer step: reduce counts over ranks, apply the buffer rules, close the step."""
+        self.reduce(self.acc.step_counts_LE, "sum")
+        bal = self.cfg.balance
+        if bal.bias_update_rate > 0:
+            for i, layer in enumerate(self.layers):
+                bias = layer.router.expert_bias
+                layer.router.set_bias(balance.bias_update(bias, self.acc.step_counts_LE[i], bal.bias_update_rate))
+        if self._quantile:
+            q_LE = self._mean_over_micro_and_ranks(self._quantile)
+            for i, layer in enumerate(self.layers):
+                layer.router.set_bias(q_LE[i])
+        if self._threshold:
+            t_LE = self._mean_over_micro_and_ranks(self._threshold)
+            for i, layer in enumerate(self.layers):
+                layer.router.update_threshold(t_LE[i])
+        self.acc.end_step()
+
+    # -- per log interval ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def probe(self, autocast: torch.autocast) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Run the probe batch; return each MoE layer's router input and chosen ids."""
+        inputs: list[torch.Tensor] = []
+        ids: list[torch.Tensor] = []
+
+        def keep(module: torch.nn.Module, args: tuple, out) -> None:
+            inputs.append(args[0].detach())
+            ids.append(out.ids_TK)
+
+        hooks = [layer.router.register_forward_hook(keep) for layer in self.layers]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with autocast:
+                self.model(self.probe_BS)
+        finally:
+            for h in hooks:
+                h.remove()
+            self.model.train(was_training)
+        return inputs, ids
+
+    def record(self, step: int, autocast: torch.autocast, run_dir: Path,
+               overflow: list[torch.Tensor | None] | None = None) -> dict:
+        if not self.layers:
+            return {}
+        inputs, ids = self.probe(autocast)
+        flip_bf16 = [mstats.bf16_flip_rate(layer.router, x) for layer, x in zip(self.layers, inputs)]
+        flip_step = [mstats.flip_rate(p, n, num_experts=self.cfg.num_experts) if p is not None else None
+                     for p, n in zip(self.prev_probe_ids, ids)]
+        self.prev_probe_ids = ids
+        self.acc.all_reduce(self.reduce)
+        row = self.acc.record(step, flip_bf16=flip_bf16, flip_step=flip_step, overflow=overflow,
+                              bias=[layer.router.expert_bias for layer in self.layers])
+        with (run_dir / "routing.jsonl").open("a") as fh:
+            fh.write(json.dumps(row) + "\n")
+        self.monitor.check(row)
+        return row
+
+
+def global_aux_terms(out: ModelOutput, global_counts_LE: torch.Tensor, top_k: int, num_tokens: int,
+                     num_terms: int) -> torch.Tensor:
+    """Sum over MoE layers of this micro-batch's global-batch aux-loss term (no coefficient)."""
+    total = torch.zeros((), device=global_counts_LE.device)
+    for i, m in enumerate(out.moe):
+        total = total + balance.global_aux_loss(m.probs_mean_E, global_counts_LE[i], top_k,
+                                                num_tokens=num_tokens, num_terms=num_terms)
+    return total
