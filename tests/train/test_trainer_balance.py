@@ -74,3 +74,18 @@ def test_quantile_balancing_and_monitor_record(tmp_path: Path) -> None:
                 "rms_max_over_median", "bias_abs_max"):
         assert layer[key] is not None, key
     assert layer["dropped"] == 0
+
+
+def test_bench_balance_smoke(tmp_path: Path, capsys) -> None:
+    from dropless.bench import balance as bench
+
+    out = tmp_path / "runs"
+    argv = ["--steps", "3", "--methods", "none,bias", "--out", str(out), "--json", str(tmp_path / "b.json")]
+    for item in ["model.d_model=32", "model.n_heads=2", "model.max_seq_len=32", "model.d_ff_dense=64",
+                 "model.moe.d_expert=32", "train.batch_size=2", "train.seq_len=32", "train.eval_batches=1",
+                 "data.max_bytes=100000"]:
+        argv += ["--set", item]
+    assert bench.main(argv) == 0
+    rows = json.loads((tmp_path / "b.json").read_text())
+    assert [r["method"] for r in rows] == ["none", "bias"]
+    assert all(r["val_loss"] > 0 and r["maxvio_global"] >= 0 and r["step_ms"] > 0 for r in rows)

@@ -205,9 +205,12 @@ class Trainer:
                 stats, grad_norm = self.train_step(step, log_step)
                 if log_step:
                     now = time.perf_counter()
-                    tps = tokens_per_step * (step + 1 - last_step) / max(now - last_time, 1e-9)
+                    n_steps = step + 1 - last_step
+                    tps = tokens_per_step * n_steps / max(now - last_time, 1e-9)
+                    step_ms = 1e3 * (now - last_time) / n_steps
                     last_time, last_step = now, step + 1
                     row = self.log_row(step, stats, grad_norm, tps)
+                    row["step_ms"] = step_ms
                     if not math.isfinite(row["loss"]):
                         raise FloatingPointError(f"loss is {row['loss']} at step {step}: stopping "
                                                  "(the last checkpoint is intact)")
