@@ -32,3 +32,13 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: tuple[float,
     rtol, atol = tol if tol is not None else REFERENCE[expected.dtype]
     atol = atol * max(1.0, float(expected.detach().abs().max())) if expected.numel() else atol
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{msg}: {m}")
+
+# Expert parallelism vs the single-process layer, fp32. Without de-dup no float is summed across ranks:
+# each destination runs the grouped GEMM on exactly the rows (same order, same group sizes) that the
+# single-process plan gives that expert, and the source combines in token order with the same code, so
+# outputs, input gradients and expert-weight gradients are compared with torch.equal. Everything else
+# is the noise floor of reordered fp32 sums: de-dup sums a token's pairs per rank, then over ranks (a
+# different association of the same <= K terms), and replicated weights (router, shared experts) sum
+# their gradient over ranks after each rank summed its own tokens (a different association of T terms).
+# Both are a few ulps of the largest partial sum; 2e-6 relative to the tensor's largest entry.
+EP_REDUCED = (2e-6, 2e-6)
