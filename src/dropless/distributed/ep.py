@@ -26,8 +26,8 @@ The protocol (docs/ep.md has the full note):
    return trip; the source sums one row per rank, in rank order.
 
 Gathers of rows whose index may point nowhere (padding, overflow, the uninitialised tail of the GEMM
-output) go through `_take`, which selects zeros instead of multiplying, so a NaN in an unused row never
-leaks. Determinism: every gather's backward scatters to distinct rows except the de-dup replication
+output) go through `_take`, which reads an appended zero row instead of multiplying by a mask, so a NaN
+in an unused row never leaks. Determinism: every gather's backward scatters to distinct rows except the de-dup replication
 (one received row feeding several pairs) and the source gather of a token sent to several ranks; their
 index_add is sequential on CPU, atomic (order not fixed) on GPU.
 """
@@ -77,12 +77,12 @@ def must_invalidate(overflow: torch.Tensor) -> torch.Tensor:
 
 
 def _take(src: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """src[idx] where valid, else zero rows (selected, not multiplied: garbage never leaks)."""
-    if src.shape[0] == 0:
-        # keep the graph connected: a rank that skipped the backward of a collective would hang the rest
-        src = torch.cat([src, src.new_zeros((1, *src.shape[1:]))])
-    rows = src.index_select(0, idx.clamp(0, src.shape[0] - 1))
-    return torch.where(valid.view(-1, *([1] * (src.dim() - 1))), rows, rows.new_zeros(()))
+    """src[idx] where valid, else zero rows. Invalid entries read an appended zero row: selected, never
+    multiplied, so garbage in an unused row cannot leak a NaN (and a copy is cheaper than a masked
+    select on CPU). The append also keeps an empty `src` in the graph: a rank that skipped the backward
+    of a collective would hang the others."""
+    src = torch.cat([src, src.new_zeros((1, *src.shape[1:]))])
+    return src.index_select(0, torch.where(valid, idx, src.shape[0] - 1))
 
 
 def _excl_cumsum(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
