@@ -59,3 +59,13 @@ def lowp_layer_rel_err(precision: str) -> float:
 # amount rather than averaging out. Measured: 0.42% (nearest), 0.56-0.62% (stochastic, 3 seeds); a wrong
 # formula (bias correction, decay) is off by tens of percent.
 ADAMW_BF16_REL_DISPLACEMENT = 0.02
+
+# Expert parallelism vs the single-process layer, fp32. Without de-dup no float is summed across ranks:
+# each destination runs the grouped GEMM on exactly the rows (same order, same group sizes) that the
+# single-process plan gives that expert, and the source combines in token order with the same code, so
+# outputs, input gradients and expert-weight gradients are compared with torch.equal. Everything else
+# is the noise floor of reordered fp32 sums: de-dup sums a token's pairs per rank, then over ranks (a
+# different association of the same <= K terms), and replicated weights (router, shared experts) sum
+# their gradient over ranks after each rank summed its own tokens (a different association of T terms).
+# Both are a few ulps of the largest partial sum; 2e-6 relative to the tensor's largest entry.
+EP_REDUCED = (2e-6, 2e-6)

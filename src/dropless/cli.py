@@ -19,6 +19,7 @@ BENCHMARKS = {
     "ep": "dropless.bench.ep",
     "balance": "dropless.bench.balance",
     "precision": "dropless.bench.precision",
+    "monitor": "dropless.bench.monitor",
 }
 
 

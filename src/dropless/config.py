@@ -206,6 +206,43 @@ class MoEConfig:
         return self.n_shared_experts * (self.d_shared or self.d_expert)
 
 
+EP_MODES = ("exact", "buffered")
+
+
+@dataclass
+class ParallelConfig:
+    """Expert parallelism (mission.md section 5; protocol in docs/ep.md)."""
+
+    ep_size: int = 1  # ranks the experts are spread over (contiguously: rank r owns a block of E/ep_size)
+    ep_mode: str = "exact"  # "exact": split sizes read on the host; "buffered": fixed buffers, no sync
+    dedup: bool = True  # a token crosses once per destination rank, however many of its experts live there
+    # buffered mode: per-link buffer = factor x the pairs perfectly balanced routing sends over one link,
+    # capped at the worst case; -1 = the worst case (never overflows)
+    ragged_buffer_factor: float = 2.0
+    overflow_check_every: int = 20  # buffered mode: steps between host checks of the overflow counter
+    retry_on_overflow: bool = True  # buffered mode: rerun an overflowing step with worst-case buffers
+
+    def __post_init__(self) -> None:
+        self.validate("parallel")
+
+    def validate(self, prefix: str = "parallel") -> None:
+        _positive(f"{prefix}.ep_size", self.ep_size)
+        _choice(f"{prefix}.ep_mode", self.ep_mode, EP_MODES)
+        if not isinstance(self.dedup, bool):
+            _fail(f"{prefix}.dedup", self.dedup, "must be true or false")
+        factor = self.ragged_buffer_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (factor == -1 or factor > 0):
+            _fail(f"{prefix}.ragged_buffer_factor", factor, "must be > 0, or -1 for the worst case")
+        _positive(f"{prefix}.overflow_check_every", self.overflow_check_every)
+        if not isinstance(self.retry_on_overflow, bool):
+            _fail(f"{prefix}.retry_on_overflow", self.retry_on_overflow, "must be true or false")
+
+    def check_experts(self, num_experts: int, prefix: str = "parallel") -> None:
+        """E experts must split evenly over ep_size ranks."""
+        if num_experts % self.ep_size:
+            _fail(f"{prefix}.ep_size", self.ep_size, f"does not divide num_experts={num_experts}")
+
+
 # ---------------------------------------------------------------------------------------------------
 # Generic tree helpers: build from dicts, dotted overrides, TOML/JSON round trip.
 

@@ -192,7 +192,7 @@ class _Permute(torch.autograd.Function):
             grad_RD = torch.cat([grad_RD, grad_RD.new_zeros(1, grad_RD.shape[1])])
         g_PD = grad_RD.index_select(0, row_of_P)
         T = row_of_P.numel() // ctx.top_k
-        g_TD = g_PD.view(T, ctx.top_k, -1).sum(1)  # fixed slot order: deterministic
+        g_TD = g_PD.view(T, ctx.top_k, g_PD.shape[1]).sum(1)  # fixed slot order: deterministic
         return g_TD, None, None, None, None, None
 
 
@@ -213,7 +213,7 @@ class _Combine(torch.autograd.Function):
     def forward(ctx, y_RD: torch.Tensor, weights_TK: torch.Tensor, row_of_P: torch.Tensor,
                 pair_of_R: torch.Tensor) -> torch.Tensor:
         T, K = weights_TK.shape
-        y_TKD = y_RD.index_select(0, row_of_P).view(T, K, -1)
+        y_TKD = y_RD.index_select(0, row_of_P).view(T, K, y_RD.shape[1])  # explicit D: T may be 0
         w_T1K = weights_TK.to(y_RD.dtype).unsqueeze(1)
         ctx.save_for_backward(y_TKD, w_T1K, pair_of_R)
         ctx.w_dtype = weights_TK.dtype

@@ -1,0 +1,63 @@
+"""Differentiable all-to-all over an explicit process group.
+
+Legend: N rows sent by this rank, M rows received, ... trailing dims travel untouched.
+
+Two variants, both thin autograd wrappers around `torch.distributed.all_to_all_single` (gloo on CPU,
+NCCL on GPU; no transport of our own):
+- `all_to_all`: variable splits. Row block i of the input goes to rank i; block j of the output comes
+  from rank j. The split sizes are Python ints, so a caller that learns them from the device pays one
+  host sync (the EP dispatcher reads all of its sizes in one go, once per layer call).
+- `all_to_all_fixed`: every rank sends N/P rows to every rank; no split sizes, no host sync.
+
+The backward of an all-to-all is the reverse all-to-all with input and output splits swapped: the
+gradient of a received row goes back to the rank that sent the row, to the row it came from. Nothing is
+summed, so gradients are bit-exact copies.
+
+The process group is always an argument: no module-level default group, no singleton.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+
+def _exchange(x: torch.Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None,
+              group: ProcessGroup | None) -> torch.Tensor:
+    x = x.contiguous()
+    rows = sum(out_splits) if out_splits is not None else x.shape[0]
+    out = x.new_empty((rows, *x.shape[1:]))
+    dist.all_to_all_single(out, x, output_split_sizes=None if out_splits is None else list(out_splits),
+                           input_split_sizes=None if in_splits is None else list(in_splits), group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None,
+                group: ProcessGroup | None) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _exchange(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        return _exchange(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+def all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
+               group: ProcessGroup | None) -> torch.Tensor:
+    """Send rows `x[sum(in_splits[:i]) : sum(in_splits[:i+1])]` to rank i; receive `out_splits[j]`
+    rows from rank j, concatenated in rank order. Differentiable."""
+    return _AllToAll.apply(x, tuple(out_splits), tuple(in_splits), group)
+
+
+def all_to_all_fixed(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Equal splits: x has P blocks of N/P rows, block i goes to rank i. Differentiable, sync-free."""
+    world = dist.get_world_size(group)
+    if x.shape[0] % world:
+        raise ValueError(f"all_to_all_fixed: {x.shape[0]} rows do not split evenly over {world} ranks")
+    return _AllToAll.apply(x, None, None, group)

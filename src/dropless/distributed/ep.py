@@ -1,0 +1,348 @@
+"""The expert-parallel dispatcher: the same `dispatch` / `combine` as LocalDispatcher, across ranks.
+
+Legend: P ranks in the EP group, E experts, L = E/P local experts (rank r owns [r*L, (r+1)*L)),
+T tokens on this rank, K slots per token, D model width.
+    Q   (token, expert) pairs this rank routes, in expert order (= rank-major, since experts are
+        contiguous per rank); `_q` tensors are indexed by that order
+    S   token rows this rank sends (a pair each without de-dup; one per (token, rank) with de-dup)
+    N   pair slots received; B received token rows; R rows of the expert-major GEMM buffer
+    M   slots per received row in the de-dup pre-sum (the most pairs one row carries)
+    C   per-link pair capacity (buffered mode); Cr per-link row capacity
+
+The protocol (docs/ep.md has the full note):
+1. Counts: each rank sends every rank an int64 row [pairs per local expert (L), rows, most pairs in
+   one row]: one fixed-size all-to-all, on the device.
+2. Exact mode reads all split sizes on the host in one go (the only sync), then moves token rows (and,
+   with de-dup, the per-pair metadata: row index in the link block, routing weight) with a
+   variable-split all-to-all. Buffered mode never reads them: every (source, destination) link has a
+   fixed block of C pair slots (Cr row slots), pairs past it are dropped and counted as overflow.
+3. The destination lays the pairs out expert-major (expert, then source, then source token order: the
+   order the single-device plan uses on the concatenated global batch), each expert group padded to
+   `align` rows, for one grouped GEMM over its L experts.
+4. Combine is the reverse trip. Without de-dup each pair's row goes back and the source applies the
+   weights in token order with ops.permute.combine (the single-device code: bit-exact results). With
+   de-dup the destination multiplies each pair by its weight (which travelled with it, through the
+   differentiable all-to-all, so weights_TK gets its gradient) and sums the pairs of a row before the
+   return trip; the source sums one row per rank, in rank order.
+
+Gathers of rows whose index may point nowhere (padding, overflow, the uninitialised tail of the GEMM
+output) go through `_take`, which reads an appended zero row instead of multiplying by a mask, so a NaN
+in an unused row never leaks. Determinism: every gather's backward scatters to distinct rows except the de-dup replication
+(one received row feeding several pairs) and the source gather of a token sent to several ranks; their
+index_add is sequential on CPU, atomic (order not fixed) on GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from ..config import ParallelConfig
+from ..layers.experts import ExpertBatch
+from ..ops import permute as perm
+from . import comm
+
+_META_BYTES = 8  # per pair with de-dup: fp32 weight + int32 row index
+
+
+def local_expert_count(num_experts: int, ep_size: int) -> int:
+    if num_experts % ep_size:
+        raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}: expert "
+                         f"parallelism gives every rank the same number of experts")
+    return num_experts // ep_size
+
+
+def link_capacity(num_tokens: int, top_k: int, num_local: int, ep_size: int, factor: float) -> int:
+    """Pair slots per (source, destination) link in buffered mode.
+
+    Perfectly balanced routing sends T*K/P pairs over each link; the buffer holds `factor` times that,
+    capped at the worst case T*min(K, L) (every pair of every token on the destination's experts;
+    a token has at most min(K, L) distinct experts there). factor -1 = the worst case.
+    """
+    worst = num_tokens * min(top_k, num_local)
+    if factor == -1:
+        return worst
+    return min(worst, math.ceil(factor * num_tokens * top_k / ep_size))
+
+
+def must_invalidate(overflow: torch.Tensor) -> torch.Tensor:
+    """True (a device bool) when a step's pairs did not all fit: its update must be skipped or rerun.
+
+    Pass the overflow summed over layers, micro-batches and the EP group, so every rank agrees."""
+    return overflow > 0
+
+
+def _take(src: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """src[idx] where valid, else zero rows. Invalid entries read an appended zero row: selected, never
+    multiplied, so garbage in an unused row cannot leak a NaN (and a copy is cheaper than a masked
+    select on CPU). The append also keeps an empty `src` in the graph: a rank that skipped the backward
+    of a collective would hang the others."""
+    src = torch.cat([src, src.new_zeros((1, *src.shape[1:]))])
+    return src.index_select(0, torch.where(valid, idx, src.shape[0] - 1))
+
+
+def _excl_cumsum(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    return torch.cumsum(x, dim) - x
+
+
+@dataclass(frozen=True)
+class EPMeta:
+    """What combine needs, plus the statistics (int64 device scalars)."""
+
+    # source side
+    plan: perm.RoutingPlan  # the single-device plan over this rank's pairs (expert order)
+    weights_TK: torch.Tensor
+    keep_q: torch.Tensor  # bool [Q]: pair fitted its link (always True in exact mode)
+    slot_q: torch.Tensor  # link slot of each pair (no de-dup) in the returned buffer
+    rowslot_TP: torch.Tensor  # de-dup: returned row of (token, rank); valid_TP says if it exists
+    valid_TP: torch.Tensor
+    # destination side
+    row_n: torch.Tensor  # GEMM buffer row of each received pair slot
+    valid_n: torch.Tensor
+    table_BM: torch.Tensor  # de-dup: pair slots of each received row, for the pre-sum
+    valid_BM: torch.Tensor
+    w_n: torch.Tensor | None  # de-dup: received weights (differentiable)
+    # the return trip: splits (exact) or None (buffered, fixed)
+    splits_back: tuple[tuple[int, ...], tuple[int, ...]] | None
+    # statistics
+    overflow: torch.Tensor
+    bytes_sent: torch.Tensor
+    bytes_sent_without_dedup: torch.Tensor
+
+    @property
+    def pairs_dropped(self) -> torch.Tensor:
+        return self.overflow
+
+
+class EPDispatcher:
+    """Expert-parallel dispatch over `group` (its size is the EP size; its rank picks the experts).
+
+    mode "exact": split sizes read on the host once per call, never drops. mode "buffered": fixed
+    per-link buffers of `link_capacity(...)` pairs, no host sync; overflow counted in the meta.
+    """
+
+    def __init__(self, num_experts: int, group: ProcessGroup | None, *, align: int = 1,
+                 mode: str = "exact", dedup: bool = True, ragged_buffer_factor: float = 2.0) -> None:
+        if mode not in ("exact", "buffered"):
+            raise ValueError(f"mode={mode!r}: must be 'exact' or 'buffered'")
+        if not (ragged_buffer_factor == -1 or ragged_buffer_factor > 0):
+            raise ValueError(f"ragged_buffer_factor={ragged_buffer_factor!r}: must be > 0 or -1")
+        self.group = group
+        self.ep_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.num_experts = num_experts
+        self.num_local = local_expert_count(num_experts, self.ep_size)
+        self.align, self.mode, self.dedup = align, mode, dedup
+        self.ragged_buffer_factor = ragged_buffer_factor
+
+    @classmethod
+    def from_config(cls, cfg: ParallelConfig, num_experts: int, align: int,
+                    group: ProcessGroup | None) -> "EPDispatcher":
+        return cls(num_experts, group, align=align, mode=cfg.ep_mode, dedup=cfg.dedup,
+                   ragged_buffer_factor=cfg.ragged_buffer_factor)
+
+    def worst_case(self) -> "EPDispatcher":
+        """The same dispatcher with worst-case buffers: the retry of an overflowing step."""
+        other = object.__new__(EPDispatcher)
+        other.__dict__.update(self.__dict__, ragged_buffer_factor=-1)
+        return other
+
+    # -- dispatch ----------------------------------------------------------------------------------
+
+    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor,
+                 weights_TK: torch.Tensor) -> tuple[ExpertBatch, EPMeta]:
+        Pn, L, dev = self.ep_size, self.num_local, x_TD.device
+        T, K = ids_TK.shape
+        D, es = x_TD.shape[1], x_TD.element_size()
+        buffered = self.mode == "buffered"
+        # Source plan: pairs in expert order, which is rank-major.
+        plan = perm.make_plan(ids_TK, self.num_experts)
+        order_q = plan.pair_of_R  # align 1: row q holds pair order_q[q]
+        Q = order_q.numel()
+        expert_q = ids_TK.reshape(-1)[order_q]
+        rank_q = expert_q // L
+        token_q = order_q // K
+        pairs_P = plan.counts_E.view(Pn, L).sum(1)
+        i_q = torch.arange(Q, device=dev) - _excl_cumsum(pairs_P)[rank_q]  # position in its link block
+        hits_TP = torch.zeros(T, Pn, dtype=torch.int64, device=dev)
+        hits_TP.index_put_((token_q, rank_q), torch.ones_like(token_q), accumulate=True)
+        hit_TP = hits_TP > 0
+        rowidx_TP = torch.cumsum(hit_TP.long(), 0) - 1  # row of (t, r) in r's block (de-dup)
+
+        C = link_capacity(T, K, L, Pn, self.ragged_buffer_factor)
+        Cr = min(C, T)
+        if buffered:
+            keep_q = i_q < C
+            fits_TP = hit_TP & (rowidx_TP < Cr) if self.dedup else hit_TP
+            if self.dedup:
+                keep_q = keep_q & fits_TP[token_q, rank_q]
+        else:
+            keep_q = torch.ones(Q, dtype=torch.bool, device=dev)
+            fits_TP = hit_TP
+        kept_E = torch.zeros(self.num_experts, dtype=torch.int64, device=dev).index_add_(
+            0, expert_q, keep_q.long())
+        kept_PL = kept_E.view(Pn, L)
+        kept_P = kept_PL.sum(1)
+        j_q = torch.cumsum(keep_q.long(), 0) - 1 - _excl_cumsum(kept_P)[rank_q]  # compacted position
+        rows_P = fits_TP.sum(0) if self.dedup else kept_P
+        most_P = torch.where(fits_TP, hits_TP, 0).amax(0) if T else torch.zeros_like(rows_P)
+        overflow = Q - keep_q.sum()
+
+        # 1. counts exchange (fixed size, on the device)
+        info_PX = torch.cat([kept_PL, rows_P[:, None], most_P[:, None]], 1)
+        recv_PX = comm._exchange(info_PX.reshape(-1), None, None, self.group).view(Pn, L + 2)
+        counts_SL = recv_PX[:, :L]  # pairs from source s for local expert l
+
+        # 2. sizes: host read (exact) or static (buffered)
+        if buffered:
+            n_slots, n_rows_recv = Pn * C, Pn * (Cr if self.dedup else C)
+            M = min(K, L)
+            splits_back = None
+        else:
+            host = torch.cat([kept_P, rows_P, counts_SL.sum(1), recv_PX[:, L], recv_PX[:, L + 1]]).tolist()
+            send_pairs, send_rows = host[:Pn], host[Pn:2 * Pn]
+            recv_pairs, recv_rows = host[2 * Pn:3 * Pn], host[3 * Pn:4 * Pn]
+            M = max(host[4 * Pn:] + [1])
+            n_slots, n_rows_recv = sum(recv_pairs), sum(recv_rows)
+            # return trip: what was received goes back (rows with de-dup, pairs without)
+            splits_back = (tuple(send_rows), tuple(recv_rows))
+
+        # 3. token rows (and pair metadata) out
+        x_PD = perm.permute(x_TD, plan) if not self.dedup else None
+        if self.dedup:
+            key_PT = torch.where(hit_TP.T, torch.arange(Pn, device=dev)[:, None], Pn).reshape(-1)
+            token_of_sorted = torch.sort(key_PT, stable=True).indices % max(T, 1)
+            sorted_start_P = _excl_cumsum(hit_TP.sum(0))
+            meta_q2 = torch.stack([weights_TK.reshape(-1)[order_q].float(),
+                                   rowidx_TP[token_q, rank_q].to(torch.int32).view(torch.float32)], 1)
+            if buffered:
+                slot = torch.arange(Pn * Cr, device=dev)
+                r, i = slot // max(Cr, 1), slot % max(Cr, 1)
+                x_send = _take(x_TD, token_of_sorted[(sorted_start_P[r] + i).clamp(max=max(Pn * T - 1, 0))],
+                               i < rows_P[r])
+                pair_of_slot = torch.full((Pn * C + 1,), Q, dtype=torch.int64, device=dev)
+                pair_of_slot[torch.where(keep_q, rank_q * C + j_q, Pn * C)] = torch.arange(Q, device=dev)
+                pair_of_slot = pair_of_slot[:-1]
+                meta_send = _take(meta_q2, pair_of_slot, pair_of_slot < Q)
+                x_recv = comm.all_to_all_fixed(x_send, self.group)
+                meta_recv = comm.all_to_all_fixed(meta_send, self.group)
+            else:
+                x_send = x_TD.index_select(0, token_of_sorted[:sum(send_rows)])
+                x_recv = comm.all_to_all(x_send, recv_rows, send_rows, self.group)
+                meta_recv = comm.all_to_all(meta_q2, recv_pairs, send_pairs, self.group)
+            w_n = meta_recv[:, 0]
+            rowidx_n = meta_recv[:, 1].detach().contiguous().view(torch.int32).long()
+            bytes_sent = (rows_P.sum() * D * es + kept_P.sum() * _META_BYTES) if not buffered else \
+                torch.tensor(Pn * (Cr * D * es + C * _META_BYTES), device=dev)
+        else:
+            w_n, rowidx_n = None, None
+            if buffered:
+                slot = torch.arange(Pn * C, device=dev)
+                r, i = slot // max(C, 1), slot % max(C, 1)
+                # kept pairs are a prefix of each link block without de-dup
+                x_send = _take(x_PD, (_excl_cumsum(pairs_P)[r] + i).clamp(max=max(Q - 1, 0)), i < kept_P[r])
+                x_recv = comm.all_to_all_fixed(x_send, self.group)
+                bytes_sent = torch.tensor(Pn * C * D * es, device=dev)
+            else:
+                x_recv = comm.all_to_all(x_PD, recv_pairs, send_pairs, self.group)
+                bytes_sent = kept_P.sum() * D * es
+        bytes_plain = torch.tensor(Pn * C * D * es, device=dev) if buffered else pairs_P.sum() * D * es
+
+        # 4. destination layout: pair slot n -> (source s, index i in its block) -> GEMM row
+        recv_pairs_S = counts_SL.sum(1)
+        if buffered:
+            n = torch.arange(n_slots, device=dev)
+            s_n, i_n = n // max(C, 1), n % max(C, 1)
+            row_base_S = torch.arange(Pn, device=dev) * (Cr if self.dedup else C)
+        else:
+            ends = torch.cumsum(recv_pairs_S, 0)
+            n = torch.arange(n_slots, device=dev)
+            s_n = torch.searchsorted(ends, n, right=True)
+            i_n = n - (ends - recv_pairs_S)[s_n.clamp(max=Pn - 1)]
+            row_base_S = _excl_cumsum(recv_PX[:, L]) if self.dedup else None
+        s_n = s_n.clamp(max=Pn - 1)
+        valid_n = i_n < recv_pairs_S[s_n]
+        big = max(n_slots, 1) + 1
+        within_end_SL = torch.cumsum(counts_SL, 1)
+        seq = (torch.arange(Pn, device=dev)[:, None] * big + within_end_SL).reshape(-1)
+        g_n = torch.searchsorted(seq, s_n * big + i_n, right=True)
+        l_n = (g_n - s_n * L).clamp(0, L - 1)
+        total_L = counts_SL.sum(0)
+        padded_L = (total_L + self.align - 1) // self.align * self.align
+        gstart_L = _excl_cumsum(padded_L)
+        row_n = gstart_L[l_n] + _excl_cumsum(counts_SL, 0)[s_n, l_n] + i_n - (within_end_SL - counts_SL)[s_n, l_n]
+        R = n_slots + L * (self.align - 1)
+        pair_of_R = torch.full((R + 1,), n_slots, dtype=torch.int64, device=dev)
+        pair_of_R[torch.where(valid_n, row_n, R)] = n
+        pair_of_R = pair_of_R[:R]
+        if self.dedup:
+            recvrow_n = row_base_S[s_n] + rowidx_n
+            src_R = torch.where(pair_of_R < n_slots, recvrow_n[pair_of_R.clamp(max=max(n_slots - 1, 0))]
+                                if n_slots else pair_of_R, n_rows_recv)
+            x_RD = _take(x_recv, src_R, src_R < n_rows_recv)
+            table_BM, valid_BM = self._presum_table(recvrow_n, valid_n, n_rows_recv, M)
+        else:
+            x_RD = _take(x_recv, pair_of_R, pair_of_R < n_slots)
+            table_BM = valid_BM = None
+        offsets_L = torch.cumsum(padded_L, 0).to(torch.int32)
+
+        # source-side return layout
+        if self.dedup:
+            base_P = torch.arange(Pn, device=dev) * Cr if buffered else _excl_cumsum(rows_P)
+            rowslot_TP = base_P[None, :] + rowidx_TP
+        else:
+            rowslot_TP = None
+        slot_q = rank_q * C + j_q if buffered else torch.arange(Q, device=dev)
+        meta = EPMeta(plan, weights_TK, keep_q, slot_q, rowslot_TP, fits_TP, row_n, valid_n, table_BM,
+                      valid_BM, w_n, splits_back, overflow, bytes_sent, bytes_plain)
+        return ExpertBatch(x_RD, offsets_L), meta
+
+    @staticmethod
+    def _presum_table(recvrow_n: torch.Tensor, valid_n: torch.Tensor, rows: int,
+                      M: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[rows, M] pair slots of each received row (in slot order), for a gather-and-sum pre-sum."""
+        N, dev = recvrow_n.numel(), recvrow_n.device
+        key = torch.where(valid_n, recvrow_n, rows)
+        order = torch.sort(key, stable=True).indices
+        cnt = torch.zeros(rows + 1, dtype=torch.int64, device=dev).index_add_(0, key, torch.ones_like(key))
+        slot = torch.arange(N, device=dev) - _excl_cumsum(cnt)[key[order]]
+        target = torch.where(key[order] < rows, key[order] * M + slot, rows * M)
+        table = torch.full((rows * M + 1,), N, dtype=torch.int64, device=dev)
+        table[target] = order
+        table = table[:-1].view(rows, M)
+        return table, table < N
+
+    # -- combine -----------------------------------------------------------------------------------
+
+    def combine(self, y_RD: torch.Tensor, meta: EPMeta) -> torch.Tensor:
+        buffered = self.mode == "buffered"
+        y_n = _take(y_RD, meta.row_n, meta.valid_n)  # back to received order: one row per pair slot
+        if self.dedup:
+            B, M = meta.table_BM.shape
+            w_n = meta.w_n.to(y_n.dtype)
+            y_BMD = _take(y_n, meta.table_BM.reshape(-1), meta.valid_BM.reshape(-1)).view(B, M, y_n.shape[1])
+            w_B1M = _take(w_n, meta.table_BM.reshape(-1), meta.valid_BM.reshape(-1)).view(B, 1, M)
+            y_send = torch.bmm(w_B1M, y_BMD).squeeze(1)  # one weighted, pre-summed row per (token, rank)
+        else:
+            y_send = y_n
+        if buffered:
+            y_back = comm.all_to_all_fixed(y_send, self.group)
+        else:
+            out_splits, in_splits = meta.splits_back
+            y_back = comm.all_to_all(y_send, out_splits, in_splits, self.group)
+        if self.dedup:
+            T, Pn = meta.rowslot_TP.shape
+            y_TPD = _take(y_back, meta.rowslot_TP.reshape(-1), meta.valid_TP.reshape(-1)).view(
+                T, Pn, y_back.shape[1])
+            return y_TPD.sum(1)  # rank order: fixed, deterministic
+        plan, weights_TK = meta.plan, meta.weights_TK
+        if buffered:
+            y_back = _take(y_back, meta.slot_q, meta.keep_q)
+            keep_P = torch.empty_like(meta.keep_q)
+            keep_P[plan.pair_of_R] = meta.keep_q
+            weights_TK = weights_TK * keep_P.view_as(weights_TK)
+        return perm.combine(y_back, weights_TK, plan)

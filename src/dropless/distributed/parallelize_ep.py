@@ -1,0 +1,40 @@
+"""Apply expert parallelism from outside to a MoE layer built for one device.
+
+The model code stays single-device: `shard_moe_layer` keeps this rank's slice of the stacked expert
+weights (rank r of the group owns experts [r*L, (r+1)*L), L = E/P) and installs an EPDispatcher. The
+router (all E experts' logits) and the shared experts stay whole on every rank: they are replicated,
+and their gradients are summed over the data that each rank saw by the data-parallel reduction.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from ..config import ParallelConfig
+from ..layers.moe import MoELayer
+from .ep import EPDispatcher, local_expert_count
+
+
+def shard_moe_layer(layer: MoELayer, group: ProcessGroup | None,
+                    cfg: ParallelConfig | None = None) -> MoELayer:
+    """Shard `layer`'s routed experts over `group` in place and return it."""
+    cfg = cfg or ParallelConfig(ep_size=dist.get_world_size(group))
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if cfg.ep_size != world:
+        raise ValueError(f"parallel.ep_size={cfg.ep_size}: the EP group has {world} ranks")
+    if layer.cfg.capacity_factor is not None:
+        raise ValueError(f"moe.capacity_factor={layer.cfg.capacity_factor}: expert parallelism is dropless; "
+                         "the capacity baseline is single-device only")
+    E = layer.cfg.num_experts
+    L = local_expert_count(E, world)
+    experts = layer.experts
+    with torch.no_grad():
+        for name in ("w_gate_up_EDF", "w_down_EFD"):
+            full = getattr(experts, name)
+            local = full[rank * L:(rank + 1) * L].detach().clone()
+            setattr(experts, name, nn.Parameter(local, requires_grad=full.requires_grad))
+    layer.dispatcher = EPDispatcher.from_config(cfg, E, layer.cfg.align, group)
+    return layer
