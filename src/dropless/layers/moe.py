@@ -52,7 +52,7 @@ class MoELayer(nn.Module):
         self.shared = (MLP(d_model, cfg.shared_width, cfg.activation, cfg.act_clamp, cfg.act_softcap)
                        if cfg.shared_width else None)
         self.dispatcher: Dispatcher = dispatcher or LocalDispatcher(
-            cfg.num_experts, cfg.align, cfg.capacity_factor, cfg.drop_policy)
+            cfg.num_experts, cfg.align, cfg.capacity_factor, cfg.drop_policy, fold_weights=True)
 
     def forward(self, x: torch.Tensor, replay_ids: torch.Tensor | None = None) -> MoEOutput:
         """`replay_ids` ([..., K] expert ids, leading dims as x) replaces the router's choice."""

@@ -7,6 +7,13 @@ Clamps: `clamp` is a hard clamp of the gate and up pre-activations to [-c, c] (c
 style models; it bounds the largest activation, which matters for low-precision GEMMs whose scales
 follow the block maximum). `softcap` is a smooth alternative, c * tanh(x / c), with a gradient that
 never becomes exactly zero. Both are optional; clamp wins when both are set.
+
+`weighted_swiglu` is the fast path of the experts' SwiGLU (no clamp, no softcap): one autograd node
+that optionally multiplies row r by a routing weight w_R[r] (the "memory-efficient permutation" of
+mission.md section 4: the combine weight is folded into the activation, so combine keeps no T*K x D
+tensor for its backward). It saves only h_R2F (which it needs anyway) and w_R, recomputes silu in the
+backward, and writes the gate and up gradients straight into one [R, 2F] buffer (autograd's chunk
+would concatenate them: one more full pass). `weighted_swiglu_reference` is its specification.
 """
 
 from __future__ import annotations
@@ -39,3 +46,48 @@ def activation(h: torch.Tensor, kind: str, clamp: float | None = None,
     if kind == "geglu":
         return F.gelu(gate, approximate="tanh") * up
     raise ValueError(f"activation={kind!r}: must be one of swiglu, geglu, relu2")
+
+
+def weighted_swiglu_reference(h_R2F: torch.Tensor, w_R: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up, times w_R[r] on row r when given (w_R cast to h's dtype)."""
+    out = activation(h_R2F, "swiglu")
+    return out if w_R is None else out * w_R.to(out.dtype).unsqueeze(-1)
+
+
+class _WeightedSwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_R2F: torch.Tensor, w_R: torch.Tensor | None) -> torch.Tensor:
+        gate, up = h_R2F.chunk(2, dim=-1)
+        out = F.silu(gate).mul_(up)
+        if w_R is not None:
+            out.mul_(w_R.to(out.dtype).unsqueeze(-1))
+        ctx.save_for_backward(h_R2F, w_R)
+        ctx.w_dtype = None if w_R is None else w_R.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_RF: torch.Tensor):
+        h_R2F, w_R = ctx.saved_tensors
+        gate, up = h_R2F.chunk(2, dim=-1)
+        F_ = gate.shape[-1]
+        grad_h = torch.empty_like(h_R2F)
+        s = F.silu(gate)  # recomputed: cheaper than keeping another [R, F] tensor alive
+        grad_s = grad_RF * s  # d(out)/d(up) before weighting
+        grad_w = None
+        if w_R is None:
+            grad_h[:, F_:].copy_(grad_s)
+            g_up = grad_RF * up
+        else:
+            w_R1 = w_R.to(grad_RF.dtype).unsqueeze(-1)
+            torch.mul(grad_s, w_R1, out=grad_h[:, F_:])
+            if ctx.needs_input_grad[1]:
+                # sum_f grad * silu(gate) * up, a row-wise dot product (accumulated in fp32 by bmm)
+                grad_w = torch.bmm(grad_s.unsqueeze(1), up.unsqueeze(-1)).view(-1).to(ctx.w_dtype)
+            g_up = (grad_RF * up).mul_(w_R1)
+        torch.ops.aten.silu_backward.grad_input(g_up, gate, grad_input=grad_h[:, :F_])
+        return grad_h, grad_w
+
+
+def weighted_swiglu(h_R2F: torch.Tensor, w_R: torch.Tensor | None = None) -> torch.Tensor:
+    """Fast path of `weighted_swiglu_reference` for 2-d [R, 2F] inputs."""
+    return _WeightedSwiGLU.apply(h_R2F, w_R)
