@@ -186,8 +186,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--json", help="write the rows to this file")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rows, meta = run(args.shape, args.routing, DTYPES[args.dtype], args.repeats, args.warmup)
     T, D, E, K, Fw = SHAPES[args.shape]
     print(f"layer bench: {args.shape} (T={T} d={D} E={E} k={K} f={Fw}), routing={args.routing} "

@@ -139,8 +139,8 @@ def make_capacity_plan(
 class _Permute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD: torch.Tensor, src_R: torch.Tensor, row_of_P: torch.Tensor, top_k: int,
-                padded: bool) -> torch.Tensor:
-        ctx.save_for_backward(row_of_P)
+                padded: bool, keep_P: torch.Tensor | None = None) -> torch.Tensor:
+        ctx.save_for_backward(row_of_P, keep_P)
         ctx.top_k = top_k
         if padded:
             x_TD = torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])])
@@ -148,16 +148,18 @@ class _Permute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_RD: torch.Tensor):
-        (row_of_P,) = ctx.saved_tensors
+        row_of_P, keep_P = ctx.saved_tensors
         g_PD = grad_RD.index_select(0, row_of_P)
+        if keep_P is not None:  # a dropped pair's row_of_P is row 0, another pair's gradient
+            g_PD = g_PD * keep_P.unsqueeze(-1).to(g_PD.dtype)
         T = row_of_P.numel() // ctx.top_k
         g_TD = g_PD.view(T, ctx.top_k, -1).sum(1)  # fixed slot order: deterministic
-        return g_TD, None, None, None, None
+        return g_TD, None, None, None, None, None
 
 
 def permute(x_TD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
     """Gather token rows into expert order: x_RD. Padding rows are zeros."""
-    return _Permute.apply(x_TD, plan.src_R, plan.row_of_P, plan.top_k, _has_padding(plan))
+    return _Permute.apply(x_TD, plan.src_R, plan.row_of_P, plan.top_k, _has_padding(plan), plan.keep_P)
 
 
 class _Combine(torch.autograd.Function):
@@ -234,10 +236,8 @@ class _Unpermute(torch.autograd.Function):
 def permute_weights(weights_TK: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
     """w_R: the combine weight of the pair in each row, 0 for padding rows.
 
-    A permute with one slot per "token" (a token is a pair here), so its backward is again a gather.
-    A dropped pair's weight is zeroed first: its gather in the backward reads row 0, another pair's.
+    A permute with one slot per "token" (a token is a pair here), so its backward is again a gather;
+    dropped pairs of a capacity plan get no row and a zero gradient.
     """
-    if plan.keep_P is not None:
-        weights_TK = weights_TK * plan.keep_P.view_as(weights_TK)
     w_P1 = weights_TK.reshape(-1, 1)
-    return _Permute.apply(w_P1, plan.pair_of_R, plan.row_of_P, 1, _has_padding(plan)).view(-1)
+    return _Permute.apply(w_P1, plan.pair_of_R, plan.row_of_P, 1, _has_padding(plan), plan.keep_P).view(-1)
