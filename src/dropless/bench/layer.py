@@ -159,8 +159,10 @@ def build_variants(shape: str, routing: str, dtype: torch.dtype, seed: int = 0
     return variants, meta
 
 
-def run(shape: str, routing: str, dtype: torch.dtype, repeats: int, warmup: int) -> tuple[list[dict], dict]:
+def run(shape: str, routing: str, dtype: torch.dtype, repeats: int, warmup: int,
+        skip: tuple[str, ...] = ()) -> tuple[list[dict], dict]:
     variants, meta = build_variants(shape, routing, dtype)
+    variants = {name: fns for name, fns in variants.items() if name not in skip}
     fns = {}
     for name, (fwd, fwd_bwd) in variants.items():
         fns[f"{name}/fwd"] = fwd
@@ -186,12 +188,15 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--skip", default="", help="comma-separated variants not to time (e.g. loop_reference, "
+                    "the slowest by far); dense_same_shape is always timed")
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--json", help="write the rows to this file")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows, meta = run(args.shape, args.routing, DTYPES[args.dtype], args.repeats, args.warmup)
+    skip = tuple(v for v in args.skip.split(",") if v and v != "dense_same_shape")
+    rows, meta = run(args.shape, args.routing, DTYPES[args.dtype], args.repeats, args.warmup, skip)
     T, D, E, K, Fw = SHAPES[args.shape]
     print(f"layer bench: {args.shape} (T={T} d={D} E={E} k={K} f={Fw}), routing={args.routing} "
           f"(MaxVio {meta['max_vio']:.3f}), dtype={args.dtype}, threads={torch.get_num_threads()}, "
