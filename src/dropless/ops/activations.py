@@ -72,18 +72,19 @@ class _WeightedSwiGLU(torch.autograd.Function):
         F_ = gate.shape[-1]
         grad_h = torch.empty_like(h_R2F)
         s = F.silu(gate)  # recomputed: cheaper than keeping another [R, F] tensor alive
-        grad_s = grad_RF * s  # d(out)/d(up) before weighting
         grad_w = None
         if w_R is None:
-            grad_h[:, F_:].copy_(grad_s)
+            torch.mul(grad_RF, s, out=grad_h[:, F_:])
             g_up = grad_RF * up
         else:
             w_R1 = w_R.to(grad_RF.dtype).unsqueeze(-1)
-            torch.mul(grad_s, w_R1, out=grad_h[:, F_:])
+            torch.mul(grad_RF * s, w_R1, out=grad_h[:, F_:])
+            g_up = grad_RF * up
             if ctx.needs_input_grad[1]:
-                # sum_f grad * silu(gate) * up, a row-wise dot product (accumulated in fp32 by bmm)
-                grad_w = torch.bmm(grad_s.unsqueeze(1), up.unsqueeze(-1)).view(-1).to(ctx.w_dtype)
-            g_up = (grad_RF * up).mul_(w_R1)
+                # sum_f grad * up * silu(gate): a row-wise dot product of two contiguous tensors
+                # (bmm accumulates in fp32; `up` itself is a strided view bmm would copy)
+                grad_w = torch.bmm(g_up.unsqueeze(1), s.unsqueeze(-1)).view(-1).to(ctx.w_dtype)
+            g_up.mul_(w_R1)
         torch.ops.aten.silu_backward.grad_input(g_up, gate, grad_input=grad_h[:, :F_])
         return grad_h, grad_w
 

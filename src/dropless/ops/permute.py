@@ -15,6 +15,9 @@ cumsum, gather), so a plan never needs the host to read counts: the row count R 
 Permute and combine are autograd functions written as gathers in both directions: permute's backward
 gathers each pair's row and sums the K slots in a fixed order, combine's backward gathers pairs back
 into rows. No scatter-add anywhere, so results and gradients are bit-identical from call to call.
+A gather followed by a sum over the K slots is one `embedding_bag(mode="sum")` call (`_gather_sum`):
+the same sum, in slot order, without writing and re-reading a [P, D] temporary (on the 2-core CPU
+that cut a 32 MB gather+sum from ~23 ms to ~1 ms, most of it the fresh allocation of the temporary).
 
 Two forms of the way back:
 - `combine(y_RD, weights_TK, plan)`: weights applied here (a K-way bmm per token), so its backward
@@ -30,6 +33,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,14 @@ def make_capacity_plan(
     return RoutingPlan(T, K, E, R, counts_E, offsets_E, row_of_P, pair_of_R, keep_P, C)
 
 
+def _gather_sum(src_RD: torch.Tensor, row_of_P: torch.Tensor, top_k: int,
+                keep_P: torch.Tensor | None = None) -> torch.Tensor:
+    """out_TD[t] = sum_j keep[t, j] * src_RD[row_of_P[t*K + j]], as one fused gather-reduce."""
+    T = row_of_P.numel() // top_k
+    keep = None if keep_P is None else keep_P.view(T, top_k).to(src_RD.dtype)
+    return F.embedding_bag(row_of_P.view(T, top_k), src_RD, mode="sum", per_sample_weights=keep)
+
+
 class _Permute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD: torch.Tensor, src_R: torch.Tensor, row_of_P: torch.Tensor, top_k: int,
@@ -149,12 +161,8 @@ class _Permute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_RD: torch.Tensor):
         row_of_P, keep_P = ctx.saved_tensors
-        g_PD = grad_RD.index_select(0, row_of_P)
-        if keep_P is not None:  # a dropped pair's row_of_P is row 0, another pair's gradient
-            g_PD = g_PD * keep_P.unsqueeze(-1).to(g_PD.dtype)
-        T = row_of_P.numel() // ctx.top_k
-        g_TD = g_PD.view(T, ctx.top_k, -1).sum(1)  # fixed slot order: deterministic
-        return g_TD, None, None, None, None, None
+        # A dropped pair's row_of_P is row 0, another pair's gradient: keep_P masks it out.
+        return _gather_sum(grad_RD, row_of_P, ctx.top_k, keep_P), None, None, None, None, None
 
 
 def permute(x_TD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
@@ -217,11 +225,7 @@ class _Unpermute(torch.autograd.Function):
                 keep_P: torch.Tensor | None, top_k: int, padded: bool) -> torch.Tensor:
         ctx.save_for_backward(src_R)
         ctx.padded = padded
-        T = row_of_P.numel() // top_k
-        y_TKD = y_RD.index_select(0, row_of_P).view(T, top_k, -1)
-        if keep_P is not None:
-            y_TKD = y_TKD * keep_P.view(T, top_k, 1).to(y_TKD.dtype)
-        return y_TKD.sum(1)  # fixed slot order
+        return _gather_sum(y_RD, row_of_P, top_k, keep_P)
 
 
     @staticmethod
