@@ -26,6 +26,11 @@ and still receives gradients.
 Parameters are in the bench dtype (the router stays fp32, as the model keeps it); fwd runs under
 no_grad; fwd+bwd is forward, loss = y.float().square().mean(), backward with grads on x and every
 parameter (grads reset to None before each call, so no accumulation cost is timed).
+
+Threads: `--threads 1` is the stable setting on a shared machine. The CPU grouped_mm runs one small
+matmul per expert, each its own parallel region; when other processes deschedule one of torch's
+threads, every region waits for it, so with 2 threads on a busy 2-core machine the grouped variants
+(dropless, hf_transformers) lose far more than the few-big-GEMM dense variants (see docs/benchmarks.md).
 """
 
 from __future__ import annotations
