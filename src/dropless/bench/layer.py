@@ -124,6 +124,11 @@ def build_variants(shape: str, routing: str, dtype: torch.dtype, seed: int = 0
 
     dropless = moe()
     add("dropless", lambda x: dropless(x, replay_ids=ids_TK).y, x_TD, _params(dropless))
+    if routing == "skewed":
+        # The same layer under balanced routing, timed in the same turns: skewed / balanced time of
+        # the dropless path is then a ratio within one run, not across two runs on a noisy machine.
+        bal_TK = balanced_ids(T, E, K, torch.Generator().manual_seed(seed))
+        add("dropless@balanced", lambda x: dropless(x, replay_ids=bal_TK).y, x_TD, _params(dropless))
 
     # The ceiling: P rows (a leaf of their own, so no gather is timed) through expert 0's weights;
     # the same SwiGLU op as the experts; the K rows of a token are summed (a contiguous reduction, no
@@ -180,6 +185,8 @@ def run(shape: str, routing: str, dtype: torch.dtype, repeats: int, warmup: int,
     ms = interleaved(fns, repeats, warmup, progress=progress)
     print(file=sys.stderr)
     dense = ms["dense_same_shape/fwd_bwd"]
+    if "dropless@balanced" in variants:
+        meta["skew_slowdown"] = ms["dropless/fwd_bwd"] / ms["dropless@balanced/fwd_bwd"]
     rows = [{"variant": name, "fwd_ms": ms[f"{name}/fwd"], "fwd_bwd_ms": ms[f"{name}/fwd_bwd"],
              "ratio_to_dense": dense / ms[f"{name}/fwd_bwd"], **meta} for name in variants]
     return rows, meta
@@ -207,6 +214,8 @@ def main(argv: list[str]) -> int:
           f"(MaxVio {meta['max_vio']:.3f}), dtype={args.dtype}, threads={torch.get_num_threads()}, "
           f"median of {args.repeats}")
     print(format_table(rows, COLUMNS))
+    if "skew_slowdown" in meta:
+        print(f"dropless fwd+bwd, skewed / balanced routing (same run): {meta['skew_slowdown']:.3f}")
     if "hf_rel_diff" in meta:
         print(f"hf_transformers vs dropless output, relative L2 difference: {meta['hf_rel_diff']:.2e}")
     if args.json:
