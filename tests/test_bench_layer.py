@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
 from dropless.bench import layer as bench
 
 
-@pytest.mark.parametrize("routing", ["balanced", "skewed"])
-def test_bench_layer_tiny_runs(tmp_path, routing: str) -> None:
+def test_bench_layer_tiny_runs(tmp_path) -> None:
+    # skewed covers the most code (it adds the dropless@balanced row); most of the time is the
+    # import of transformers and its grouped_mm check, when it is installed
+    routing = "skewed"
     out = tmp_path / "rows.json"
     threads = torch.get_num_threads()
     try:
@@ -22,6 +23,7 @@ def test_bench_layer_tiny_runs(tmp_path, routing: str) -> None:
     rows = {r["variant"]: r for r in json.loads(out.read_text())}
     assert {"dropless", "dense_same_shape", "dense_wide", "loop_reference", "padded_capacity"} <= rows.keys()
     assert rows["dense_same_shape"]["ratio_to_dense"] == 1.0
+    assert "dropless@balanced" in rows and rows["dropless"]["skew_slowdown"] > 0
     assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["routing"] == routing for r in rows.values())
 
 
