@@ -74,3 +74,50 @@ def test_capacity_big_enough_drops_nothing() -> None:
     plan = P.make_capacity_plan(ids, torch.rand(20, 2), 6, capacity_factor=3.0)
     assert int(plan.pairs_dropped()) == 0
     assert plan.capacity == 20  # ceil(3 * 20 * 2 / 6)
+
+
+@pytest.mark.parametrize("align", [1, 4])  # unpadded (no zero row needed) and padded plans
+def test_unpermute_of_weighted_rows_equals_combine(align: int) -> None:
+    # The folded path: rows pre-multiplied by permute_weights, then an unweighted sum per token,
+    # must equal the weighted combine, in output and in the gradients of the rows and the weights.
+    T, E, K, D = 13, 5, 3, 6
+    plan = P.make_plan(random_ids(T, E, K, seed=4), E, align)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(T, D, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.rand(T, K, dtype=torch.float64, generator=g, requires_grad=True)
+    y_RD = P.permute(x, plan) * 1.5
+    folded = P.unpermute(y_RD * P.permute_weights(w, plan).unsqueeze(-1), plan)
+    weighted = P.combine(y_RD, w, plan)
+    assert torch.allclose(folded, weighted)
+    gx_f, gw_f = torch.autograd.grad(folded.square().sum(), (x, w), retain_graph=True)
+    gx_w, gw_w = torch.autograd.grad(weighted.square().sum(), (x, w))
+    assert torch.allclose(gx_f, gx_w) and torch.allclose(gw_f, gw_w)
+    # padding rows carry weight exactly zero
+    w_R = P.permute_weights(w, plan)
+    assert torch.count_nonzero(w_R[plan.pair_of_R == T * K]) == 0
+    torch.autograd.gradcheck(lambda x, w: P.unpermute(P.permute(x, plan) * P.permute_weights(w, plan)
+                                                      .unsqueeze(-1), plan), (x, w))
+
+
+def test_unpermute_masks_dropped_pairs_of_a_capacity_plan() -> None:
+    # Dropped pairs point at row 0 (another pair's row): they must count zero, with zero gradient.
+    ids = torch.zeros(6, 1, dtype=torch.long)
+    w = torch.tensor([[0.1], [0.9], [0.5], [0.7], [0.2], [0.8]], dtype=torch.float64, requires_grad=True)
+    plan = P.make_capacity_plan(ids, w, 2, 1.0, "position")
+    x = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    folded = P.unpermute(P.permute(x, plan) * P.permute_weights(w, plan).unsqueeze(-1), plan)
+    weighted = P.combine(P.permute(x, plan), w, plan)
+    assert torch.allclose(folded, weighted)
+    assert torch.count_nonzero(folded[3:]) == 0
+    gx, gw = torch.autograd.grad(folded.sum(), (x, w))
+    assert torch.count_nonzero(gx[3:]) == 0 and torch.count_nonzero(gw[3:]) == 0
+
+
+def test_permute_gradient_of_dropped_pairs_is_zero() -> None:
+    # Regression: a dropped pair's row_of_P points at row 0, so permute's backward used to hand the
+    # dropped token the gradient of whichever pair sits in row 0.
+    ids = torch.zeros(6, 1, dtype=torch.long)
+    plan = P.make_capacity_plan(ids, torch.rand(6, 1), 2, 1.0, "position")
+    x = torch.randn(6, 4, requires_grad=True)
+    P.permute(x, plan).sum().backward()
+    assert torch.equal(x.grad, torch.cat([torch.ones(3, 4), torch.zeros(3, 4)]))

@@ -9,6 +9,12 @@ means every slot is a pair. A dispatcher that cannot honour a mask must refuse i
 needs, so one dispatcher object serves every layer and every micro-batch. The experts module sees only
 an ExpertBatch and never knows whether the rows came from this process or from other ranks: the
 expert-parallel dispatcher (dropless.distributed.ep) implements the same two methods.
+
+Folded weights (`fold_weights=True`, what MoELayer asks for): dispatch also hands the experts each
+row's combine weight (`ExpertBatch.weights_R`), the experts multiply it into their activation, and
+combine becomes an unweighted sum of each token's rows (`permute.unpermute`). Same result, but the
+weighting touches [R, F] activations instead of [R, D] outputs and combine keeps no [T, K, D] tensor
+for its backward. Off by default, because it needs experts that honour `weights_R`.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from .experts import ExpertBatch
 class LocalMeta:
     plan: P.RoutingPlan
     weights_TK: torch.Tensor
+    weights_folded: bool = False  # the experts already multiplied each row by its weight
 
     @property
     def pairs_dropped(self) -> torch.Tensor:
@@ -49,8 +56,9 @@ class LocalDispatcher:
     """
 
     def __init__(self, num_experts: int, align: int = 1, capacity_factor: float | None = None,
-                 drop_policy: str = "position") -> None:
+                 drop_policy: str = "position", fold_weights: bool = False) -> None:
         self.num_experts = num_experts
+        self.fold_weights = fold_weights
         self.align = align
         self.capacity_factor = capacity_factor
         self.drop_policy = drop_policy
@@ -67,8 +75,11 @@ class LocalDispatcher:
     def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
                  valid_TK: torch.Tensor | None = None) -> tuple[ExpertBatch, LocalMeta]:
         plan = self.plan(ids_TK, weights_TK, valid_TK)
-        batch = ExpertBatch(P.permute(x_TD, plan), plan.offsets_E, plan.capacity)
-        return batch, LocalMeta(plan, weights_TK)
+        weights_R = P.permute_weights(weights_TK, plan) if self.fold_weights else None
+        batch = ExpertBatch(P.permute(x_TD, plan), plan.offsets_E, plan.capacity, weights_R)
+        return batch, LocalMeta(plan, weights_TK, self.fold_weights)
 
     def combine(self, y_RD: torch.Tensor, meta: LocalMeta) -> torch.Tensor:
+        if meta.weights_folded:
+            return P.unpermute(y_RD, meta.plan)
         return P.combine(y_RD, meta.weights_TK, meta.plan)

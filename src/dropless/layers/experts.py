@@ -10,6 +10,10 @@ With `precision` other than "bf16" every expert GEMM goes through `ops.quant_gem
 forward, dgrad and wgrad products quantised; emulated in fp32), whatever the backend.
 Under CPU/GPU autocast the weights and rows are cast to the autocast dtype here, because torch's
 autocast does not cover grouped_mm and would otherwise leave the expert GEMMs in fp32.
+
+When the batch carries `weights_R` (a dispatcher that folds the combine weights, see
+layers/dispatch.py) row r of the activation is multiplied by weights_R[r] before the down GEMM:
+(w * h) @ W = w * (h @ W). SwiGLU without clamp or softcap takes the fused `weighted_swiglu`.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch
 from torch import nn
 
 from ..ops import grouped_gemm, quant_gemm
-from ..ops.activations import activation, is_gated
+from ..ops.activations import activation, is_gated, weighted_swiglu
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,7 @@ class ExpertBatch:
     x_RD: torch.Tensor
     offsets_E: torch.Tensor  # int32 group ends
     capacity: int | None = None  # rows per expert in the capacity layout
+    weights_R: torch.Tensor | None = None  # combine weight per row (0 on padding) if the experts apply it
 
 
 def resolve_backend(backend: str, capacity_mode: bool) -> str:
@@ -79,5 +84,11 @@ class GroupedExperts(nn.Module):
             x_RD, w1, w2 = x_RD.to(dtype), w1.to(dtype), w2.to(dtype)
         elif x_RD.dtype != w1.dtype:
             x_RD = x_RD.to(w1.dtype)
-        h_RF = activation(self._gemm(x_RD, w1, batch), self.kind, self.clamp, self.softcap)
+        h_R2F = self._gemm(x_RD, w1, batch)
+        if self.kind == "swiglu" and self.clamp is None and self.softcap is None:
+            h_RF = weighted_swiglu(h_R2F, batch.weights_R)
+        else:
+            h_RF = activation(h_R2F, self.kind, self.clamp, self.softcap)
+            if batch.weights_R is not None:
+                h_RF = h_RF * batch.weights_R.to(h_RF.dtype).unsqueeze(-1)
         return self._gemm(h_RF, w2, batch)

@@ -25,7 +25,7 @@ from ..config import MoEConfig
 from ..ops import quant_gemm, routing
 from . import balance
 from .dispatch import Dispatcher, LocalDispatcher
-from .experts import GroupedExperts, resolve_backend
+from .experts import ExpertBatch, GroupedExperts, resolve_backend
 from .mlp import MLP
 from .router import Router
 
@@ -56,15 +56,22 @@ class MoEOutput:
     seq_aux_loss: torch.Tensor | None = None  # sequence-scope aux loss (when its coefficient is > 0)
 
 
-def expert_out_sq(y_RD: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+def expert_out_sq(y_RD: torch.Tensor, offsets_E: torch.Tensor,
+                  weights_R: torch.Tensor | None = None) -> torch.Tensor:
     """Per-expert sum of the rows' mean squares, from the expert-major output rows.
 
     Padding rows inside a group are zero rows in, zero rows out (every activation maps 0 to 0 and the
     experts have no bias), so they add nothing; rows past the last group end (uninitialised on the
-    grouped_mm path) go to an extra bin that is cut off.
+    grouped_mm path) go to an extra bin that is cut off. When the dispatcher folded the combine
+    weights into the rows (`weights_R`), each row is divided by its weight first: the monitor wants
+    the expert's own output, not its weighted share (rows of weight 0 count zero).
     """
     E = offsets_E.numel()
-    ms_R = y_RD.detach().float().square().mean(-1)
+    y = y_RD.detach().float()
+    if weights_R is not None:
+        w = weights_R.detach().float().unsqueeze(-1)
+        y = torch.where(w != 0, y / torch.where(w != 0, w, 1.0), torch.zeros_like(y))
+    ms_R = y.square().mean(-1)
     rows = torch.arange(y_RD.shape[0], device=y_RD.device, dtype=offsets_E.dtype)
     e_R = torch.searchsorted(offsets_E, rows, right=True)
     ms_R = torch.where(e_R < E, ms_R, torch.zeros_like(ms_R))  # NaN garbage must not reach bincount
@@ -96,7 +103,7 @@ class MoELayer(nn.Module):
         # Low-precision wgrad blocks run along tokens: pad each expert's group to the token block.
         align = quant_gemm.plan_align(cfg.precision, cfg.align)
         self.dispatcher: Dispatcher = dispatcher or LocalDispatcher(
-            cfg.num_experts, align, cfg.capacity_factor, cfg.drop_policy)
+            cfg.num_experts, align, cfg.capacity_factor, cfg.drop_policy, fold_weights=True)
         self.detailed_stats = False  # set by the trainer on log steps
 
     def forward(self, x: torch.Tensor, replay_ids: torch.Tensor | None = None,
@@ -125,7 +132,7 @@ class MoELayer(nn.Module):
             # sequences are the second-to-last dim of x ([B, S, D]); a flat [T, D] input is one sequence
             seq_len = shape[-2] if len(shape) >= 3 else x_TD.shape[0]
             seq_aux = balance.sequence_aux_loss(probs_TE, decision.ids_TK, seq_len, decision.valid_TK)
-        stats = self._stats(decision, counts_E, probs_TE, meta.pairs_dropped, y_RD, batch.offsets_E)
+        stats = self._stats(decision, counts_E, probs_TE, meta.pairs_dropped, y_RD, batch)
         return MoEOutput(
             y=y_TD.view(shape),
             aux_loss=aux,
@@ -136,11 +143,11 @@ class MoELayer(nn.Module):
         )
 
     def _stats(self, decision, counts_E: torch.Tensor, probs_TE: torch.Tensor, dropped: torch.Tensor,
-               y_RD: torch.Tensor, offsets_E: torch.Tensor) -> MoEStats:
+               y_RD: torch.Tensor, batch: ExpertBatch) -> MoEStats:
         extra: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             if self.detailed_stats:
-                extra["out_sq_E"] = expert_out_sq(y_RD, offsets_E)
+                extra["out_sq_E"] = expert_out_sq(y_RD, batch.offsets_E, batch.weights_R)
                 extra["router_entropy"], extra["top1_top2_ratio"] = router_summaries(probs_TE)
             if self.cfg.router.strategy == "expert_threshold":
                 extra["score_quantile_E"] = routing.score_quantile(decision.scores_TE, self.cfg.top_k)
