@@ -76,6 +76,18 @@ def _invert(order_P: torch.Tensor) -> torch.Tensor:
     return inv
 
 
+def _aligned_rows(ids_P: torch.Tensor, order_P: torch.Tensor, counts_E: torch.Tensor,
+                  align: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows for the pairs in sorted order when each group is padded to a multiple of `align`:
+    (expert of each sorted pair, its row, the padded group ends)."""
+    padded_E = (counts_E + (align - 1)) // align * align
+    ends_E = torch.cumsum(padded_E, 0)
+    start_E = torch.cumsum(counts_E, 0) - counts_E
+    ids_sorted = ids_P[order_P]
+    rank = torch.arange(ids_P.numel(), device=ids_P.device) - start_E[ids_sorted]
+    return ids_sorted, (ends_E - padded_E)[ids_sorted] + rank, ends_E
+
+
 def make_plan(ids_TK: torch.Tensor, num_experts: int, align: int = 1,
               valid_TK: torch.Tensor | None = None) -> RoutingPlan:
     """Dropless plan: every pair gets a row; groups padded to a multiple of `align` rows.
@@ -97,12 +109,7 @@ def make_plan(ids_TK: torch.Tensor, num_experts: int, align: int = 1,
     if align == 1:
         offsets_E = torch.cumsum(counts_E, 0).to(torch.int32)
         return RoutingPlan(T, K, E, P, counts_E, offsets_E, _invert(order_P), order_P)
-    padded_E = (counts_E + (align - 1)) // align * align
-    ends_E = torch.cumsum(padded_E, 0)
-    start_E = torch.cumsum(counts_E, 0) - counts_E
-    ids_sorted = ids_P[order_P]
-    rank = torch.arange(P, device=ids_P.device) - start_E[ids_sorted]
-    rows_sorted = (ends_E - padded_E)[ids_sorted] + rank
+    _, rows_sorted, ends_E = _aligned_rows(ids_P, order_P, counts_E, align)
     R = P + E * (align - 1)  # static bound on sum(padded_E)
     row_of_P = torch.empty_like(order_P)
     row_of_P[order_P] = rows_sorted
@@ -119,12 +126,7 @@ def _make_masked_plan(ids_TK: torch.Tensor, num_experts: int, align: int,
     ids_P = torch.where(valid_P, ids_TK.reshape(-1), E)  # invalid pairs -> virtual expert E, last
     counts_all = torch.bincount(ids_P, minlength=E + 1)
     order_P = torch.sort(ids_P, stable=True).indices
-    padded_all = (counts_all + (align - 1)) // align * align
-    ends_all = torch.cumsum(padded_all, 0)
-    start_all = torch.cumsum(counts_all, 0) - counts_all
-    ids_sorted = ids_P[order_P]
-    rank = torch.arange(P, device=ids_P.device) - start_all[ids_sorted]
-    rows_sorted = (ends_all - padded_all)[ids_sorted] + rank
+    _, rows_sorted, ends_all = _aligned_rows(ids_P, order_P, counts_all, align)
     R = P + E * (align - 1)  # static bound: valid pairs plus the real groups' padding
     valid_sorted = valid_P[order_P]
     # Invalid pairs' rows go to an extra row R, cut off below.

@@ -81,15 +81,23 @@ def topk_route(
     sel_TE = group_limited_mask(sel_TE, n_groups, topk_groups)
     # topk is deterministic on CPU; ties go to the lower expert index.
     ids_TK = sel_TE.topk(top_k, dim=-1, sorted=True).indices
+    weights_TK = _combine_weights(logits_TE, scores_TE, ids_TK, post_softmax, renormalize, scaling_factor)
+    return ids_TK, weights_TK, scores_TE
+
+
+def _combine_weights(logits_TE: torch.Tensor, scores_TE: torch.Tensor, ids_TK: torch.Tensor,
+                     post_softmax: bool, renormalize: bool, scaling_factor: float) -> torch.Tensor:
+    """The unbiased weights at the chosen ids: softmax over the k logits (post-softmax), or the
+    scores gathered and optionally renormalised to sum to 1; then the routing scaling factor."""
     if post_softmax:
         weights_TK = torch.softmax(logits_TE.gather(1, ids_TK), dim=-1)
     else:
         weights_TK = scores_TE.gather(1, ids_TK)
-        if renormalize and top_k > 1:
+        if renormalize and ids_TK.shape[1] > 1:
             weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True).clamp_min(1e-20)
     if scaling_factor != 1.0:
         weights_TK = weights_TK * scaling_factor
-    return ids_TK, weights_TK, scores_TE
+    return weights_TK
 
 
 def weights_at(
@@ -108,16 +116,8 @@ def weights_at(
     Returns (weights_TK, scores_TE).
     """
     scores_TE = score_fn(logits_TE, score_func)
-    K = ids_TK.shape[1]
-    if score_func == "softmax" and not pre_softmax:
-        weights_TK = torch.softmax(logits_TE.gather(1, ids_TK), dim=-1)
-    else:
-        weights_TK = scores_TE.gather(1, ids_TK)
-        if renormalize and K > 1:
-            weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True).clamp_min(1e-20)
-    if scaling_factor != 1.0:
-        weights_TK = weights_TK * scaling_factor
-    return weights_TK, scores_TE
+    post_softmax = score_func == "softmax" and not pre_softmax
+    return _combine_weights(logits_TE, scores_TE, ids_TK, post_softmax, renormalize, scaling_factor), scores_TE
 
 
 def router_probs(scores_TE: torch.Tensor, score_func: str) -> torch.Tensor:
