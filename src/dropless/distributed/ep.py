@@ -112,6 +112,7 @@ class EPMeta:
     overflow: torch.Tensor
     bytes_sent: torch.Tensor
     bytes_sent_without_dedup: torch.Tensor
+    link_demand: torch.Tensor  # most pairs this rank routes over one link (before any drop)
 
     @property
     def pairs_dropped(self) -> torch.Tensor:
@@ -144,6 +145,15 @@ class EPDispatcher:
                     group: ProcessGroup | None) -> "EPDispatcher":
         return cls(num_experts, group, align=align, mode=cfg.ep_mode, dedup=cfg.dedup,
                    ragged_buffer_factor=cfg.ragged_buffer_factor)
+
+    @property
+    def first_expert(self) -> int:
+        """The global index of this rank's first local expert."""
+        return self.rank * self.num_local
+
+    def capacity(self, num_tokens: int, top_k: int) -> int:
+        """Pair slots per link for `num_tokens` tokens per rank, k each (buffered mode's C)."""
+        return link_capacity(num_tokens, top_k, self.num_local, self.ep_size, self.ragged_buffer_factor)
 
     def worst_case(self) -> "EPDispatcher":
         """The same dispatcher with worst-case buffers: the retry of an overflowing step."""
@@ -298,7 +308,8 @@ class EPDispatcher:
             rowslot_TP = None
         slot_q = rank_q * C + j_q if buffered else torch.arange(Q, device=dev)
         meta = EPMeta(plan, weights_TK, keep_q, slot_q, rowslot_TP, fits_TP, row_n, valid_n, table_BM,
-                      valid_BM, w_n, splits_back, overflow, bytes_sent, bytes_plain)
+                      valid_BM, w_n, splits_back, overflow, bytes_sent, bytes_plain,
+                      pairs_P.max() if Q else torch.zeros((), dtype=torch.int64, device=dev))
         return ExpertBatch(x_RD, offsets_L), meta
 
     @staticmethod
