@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -113,6 +114,11 @@ def parallelize(model: MoEModel, meshes: Meshes, cfg: ParallelConfig) -> list[st
     if cfg.ep_size != ep:
         raise ValueError(f"parallel.ep_size={cfg.ep_size}: the mesh has ep={ep}")
     cfg.check_experts(model.cfg.moe.num_experts)
+    # FSDP2 warns when a unit returns a view (an in-place op on it would skip the pre-backward hook).
+    # Ours do (the MoE output `y.view(shape)`, grouped-GEMM outputs) and nothing modifies them in place:
+    # the model and trainer only ever add out of place.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP(GroupedExperts|Block|MoEModel)\) "
+                            r"returned a view tensor", category=UserWarning)
     expert_names = []
     for name, module in model.named_modules():
         if isinstance(module, MoELayer):
