@@ -86,12 +86,40 @@ def _take(src: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor) -> torch.Te
     return src.index_select(0, torch.where(valid, idx, src.shape[0] - 1))
 
 
-def _segment_sum(x_ND: torch.Tensor, seg_N: torch.Tensor, segments: int) -> torch.Tensor:
+def _segment_sum(x_ND: torch.Tensor, seg_N: torch.Tensor, segments: int, dtype: torch.dtype) -> torch.Tensor:
     """out[s] = sum of the rows x[n] with seg[n] == s, in row order, accumulated in fp32 and rounded
-    once to x's dtype (as a bf16 bmm would); seg == `segments` marks rows to leave out. Differentiable
+    once to `dtype` (as a bf16 bmm would); seg == `segments` marks rows to leave out. Differentiable
     (the backward is a gather). index_add is sequential on CPU; on GPU its order is not fixed."""
     out = x_ND.new_zeros((segments + 1, x_ND.shape[1]), dtype=torch.float32)
-    return out.index_add(0, seg_N, x_ND.float())[:segments].to(x_ND.dtype)
+    return out.index_add(0, seg_N, x_ND.float())[:segments].to(dtype)
+
+
+class _WeightedSegmentSum(torch.autograd.Function):
+    """out[s] = sum over rows n with seg[n] == s of w[n] * y[n], in row order; seg == S leaves a row
+    out. fp32 products and sums (one upcast, multiplied in place), rounded once to y's dtype: the
+    numerics of a bf16 bmm without gathering the rows into a [S, most rows per segment, D] block.
+    A NaN in a left-out row (uninitialised GEMM tail) reaches neither the output nor any gradient."""
+
+    @staticmethod
+    def forward(ctx, y_ND: torch.Tensor, w_N: torch.Tensor, seg_N: torch.Tensor, S: int) -> torch.Tensor:
+        ctx.save_for_backward(y_ND, w_N, seg_N)
+        ctx.S = S
+        prod = y_ND.to(torch.float32, copy=True).mul_(w_N.float()[:, None])  # never y in place
+        out = prod.new_zeros((S + 1, y_ND.shape[1])).index_add_(0, seg_N, prod)
+        return out[:S].to(y_ND.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_SD: torch.Tensor):
+        y_ND, w_N, seg_N = ctx.saved_tensors
+        g_ND = torch.cat([grad_SD.float(), grad_SD.new_zeros((1, grad_SD.shape[1]), dtype=torch.float32)]
+                         ).index_select(0, seg_N)
+        grad_y = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_y = (g_ND * w_N.float()[:, None]).to(y_ND.dtype)
+        if ctx.needs_input_grad[1]:
+            dot = torch.where(seg_N[:, None] < ctx.S, g_ND * y_ND.float(), 0.0).sum(1)
+            grad_w = dot.to(w_N.dtype)
+        return grad_y, grad_w, None, None
 
 
 def _excl_cumsum(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -321,7 +349,7 @@ class EPDispatcher:
         if self.dedup:
             # Pre-sum: weight every GEMM row, add it into its received row (padding rows go to row B,
             # cut off; their weight is 0, and a NaN in an unused row lands there too).
-            y_send = _segment_sum(y_RD * meta.w_R.to(y_RD.dtype)[:, None], meta.src_R, meta.rows_recv)
+            y_send = _WeightedSegmentSum.apply(y_RD, meta.w_R, meta.src_R, meta.rows_recv)
         else:
             y_send = _take(y_RD, meta.row_n, meta.valid_n)  # back to received order: one row per pair slot
         if buffered:
@@ -331,7 +359,7 @@ class EPDispatcher:
             y_back = comm.all_to_all(y_send, out_splits, in_splits, self.group)
         if self.dedup:
             # one row per (token, rank) came back, in rank order: sum them per token
-            return _segment_sum(y_back, meta.token_S, meta.weights_TK.shape[0])
+            return _segment_sum(y_back, meta.token_S, meta.weights_TK.shape[0], y_back.dtype)
         plan, weights_TK = meta.plan, meta.weights_TK
         if buffered:
             y_back = _take(y_back, meta.slot_q, meta.keep_q)
