@@ -18,8 +18,11 @@ import torch
 from dist_harness import run_world
 from dropless.config import load_config
 from dropless.train import checkpoint as ckpt
+from dropless.train.data import eval_batches, load_splits
+from dropless.train.generate import load_model
 from dropless.train.loop import Trainer
 from dropless.train.overflow import EPOverflowError
+from dropless.train.tokenizer import load_tokenizer
 from tolerances import PARALLEL_TRAIN_GRAD_NORM, PARALLEL_TRAIN_LOSS
 
 TINY = [
@@ -77,6 +80,17 @@ def test_ep_fsdp_follows_one_process_and_resumes_at_other_world(tmp_path: Path) 
     # the distributed checkpoint is a DCP folder, published whole
     step10 = four / "checkpoints" / ckpt.checkpoint_name(10)
     assert ckpt.is_distributed_checkpoint(step10) and (step10 / ckpt.COMPLETE_MARKER).is_file()
+
+    # ... whose experts are stored at their global shape: one process loads it into the one-device model
+    model, cfg = load_model(four)
+    t, d = cfg.train, cfg.data
+    _, val = load_splits(None, load_tokenizer(d.tokenizer, d.tokenizer_path), val_fraction=d.val_fraction,
+                         max_bytes=d.max_bytes)
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for x, y in eval_batches(val, t.batch_size, t.seq_len, t.eval_batches):
+            total, n = total + float(model(x, y).ce_loss) * x.numel(), n + x.numel()
+    assert max_rel([total / n], metric(four, "val_loss")[-1:]) <= PARALLEL_TRAIN_LOSS
 
     runs = []
     for ep in (2, 1):

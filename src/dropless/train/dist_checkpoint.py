@@ -14,6 +14,9 @@ DTensors of the global [E, ...] shape on the (ep, edp) checkpoint mesh with plac
 (Shard(0), Shard(0)) (distributed/parallelize.py): each rank's bytes land at their global offset, so
 a checkpoint written at (ep, edp) = (2, 2) loads at (2, 1), (1, 2), ...
 
+Because the experts are stored at their global shape, the model part also loads into the plain
+one-device model, without a process group (`load_full_model`; `dropless generate` uses it).
+
 RNG: rank 0's generator states are saved and every rank restores them (training draws no random
 numbers on the device path; batches are a function of (seed, step, micro-step)).
 """
@@ -105,4 +108,17 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, e
     model_sd, optim_sd = _convert(state["model"], state["optim"], experts, lambda t: _to_local(t, meshes))
     set_model_state_dict(model, model_sd)
     set_optimizer_state_dict(model, optimizer, optim_sd)
+    return trainer_state(path)
+
+
+def load_full_model(path: Path, model: torch.nn.Module) -> dict[str, Any]:
+    """One process, no process group: fill a one-device `model` (all E experts) from a distributed
+    checkpoint; returns the trainer state (its "config" builds the model)."""
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    model.load_state_dict(state["model"])
+    return trainer_state(path)
+
+
+def trainer_state(path: Path) -> dict[str, Any]:
     return torch.load(Path(path) / TRAINER_FILE, weights_only=True)
