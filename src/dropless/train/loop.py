@@ -120,8 +120,9 @@ class Trainer:
         if path is None:
             raise FileNotFoundError(f"--resume: no complete checkpoint under {self.run_dir / 'checkpoints'}")
         if self.distributed != ckpt.is_distributed_checkpoint(path):
-            raise ValueError(f"--resume: {path} was written by a {'distributed' if not self.distributed else 'one-process'} "
-                             "run; resume it the same way (dropless train --nproc N for distributed ones)")
+            kind = "one-process" if self.distributed else "distributed"
+            raise ValueError(f"--resume: {path} was written by a {kind} run; resume it the same way "
+                             "(dropless train --nproc N for distributed ones)")
         if self.distributed:
             state = dist_checkpoint.load(path, self.model, self.optimizer, self.expert_names, self.meshes)
         else:
@@ -142,8 +143,8 @@ class Trainer:
         state = {"step": next_step, "rng": ckpt.rng_state(), "config": to_dict(self.cfg),
                  "health": self.health.state_dict()}
         if self.distributed:
-            return dist_checkpoint.save(self.run_dir, next_step, self.model, self.optimizer, self.expert_names,
-                                        self.meshes, state, self.cfg.train.keep_last)
+            return dist_checkpoint.save(self.run_dir, next_step, self.model, self.optimizer,
+                                        self.expert_names, self.meshes, state, self.cfg.train.keep_last)
         state.update(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
         return ckpt.save_checkpoint(self.run_dir, next_step, state, keep_last=self.cfg.train.keep_last)
 
@@ -212,8 +213,8 @@ class Trainer:
                 with par.worst_case_dispatch(self.model):
                     sums, _, _ = self._forward_backward(step, log_step)
         if self.distributed:
-            grad_norm = par.finish_grads_(self.model, self.expert_names, self.meshes.mesh.size(1), t.grad_clip,
-                                          self.meshes.dp_group)
+            grad_norm = par.finish_grads_(self.model, self.expert_names, self.meshes.mesh.size(1),
+                                          t.grad_clip, self.meshes.dp_group)
         elif t.grad_clip > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
         else:
@@ -238,7 +239,8 @@ class Trainer:
         dropped = torch.zeros((), dtype=torch.int64)
         demand = torch.zeros((), dtype=torch.int64)
         for micro in range(t.grad_accum):
-            x, y = get_batch(self.train_tokens, step, self.micro_index(micro), t.batch_size, t.seq_len, t.seed)
+            x, y = get_batch(self.train_tokens, step, self.micro_index(micro), t.batch_size, t.seq_len,
+                             t.seed)
             with self.autocast():
                 out = self.model(x, y)
             loss, moe_loss = out.loss, out.moe_loss
