@@ -151,3 +151,25 @@ def _overflow_cases(rank: int, world: int, root: Path) -> None:
 
 def test_buffered_overflow_skip_check_and_retry(tmp_path: Path) -> None:
     run_world(_overflow_cases, 2, tmp_path, tmp_path)
+
+
+# -- the global-batch aux loss spans the ranks ----------------------------------------------------
+
+GLOBAL_AUX = ["model.moe.balance.global_aux_loss_coeff=0.1", "model.moe.balance.aux_loss_coeff=0",
+              "train.steps=4"]
+
+
+def _train_2(rank: int, world: int, run_dir: Path) -> None:
+    Trainer(tiny(*GLOBAL_AUX, "train.grad_accum=2", "parallel.ep_size=2"), run_dir).fit()
+
+
+def test_global_aux_loss_counts_span_ranks(tmp_path: Path) -> None:
+    """2 ranks x 2 micro-batches against one process x 4: the global-batch loss needs the counts of all
+    four micro-batches (all-reduced over ranks by the no-grad pre-pass) and num_terms = A * W; a
+    rank-local count or term count changes the moe loss by tens of percent, not ulps."""
+    one = tmp_path / "one"
+    Trainer(tiny(*GLOBAL_AUX, "train.grad_accum=4"), one).fit()
+    run_world(_train_2, 2, tmp_path, tmp_path / "two")
+    for key, tol in (("loss", PARALLEL_TRAIN_LOSS), ("moe_loss", PARALLEL_TRAIN_LOSS),
+                     ("grad_norm", PARALLEL_TRAIN_GRAD_NORM)):
+        assert max_rel(metric(tmp_path / "two", key), metric(one, key)) <= tol, key
