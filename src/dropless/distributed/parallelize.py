@@ -107,7 +107,7 @@ def build_meshes(ep_size: int) -> Meshes:
     return Meshes(mesh, dp, expert_ckpt)
 
 
-def parallelize(model: MoEModel, meshes: Meshes, cfg: ParallelConfig) -> list[str]:
+def parallelize_model(model: MoEModel, meshes: Meshes, cfg: ParallelConfig) -> list[str]:
     """Apply EP then FSDP2 to `model` in place (order in the module note). Returns the names of the
     expert parameters (sharded by EP), which checkpoints treat specially."""
     ep = meshes.mesh.size(1)

@@ -86,7 +86,7 @@ class Trainer:
         reduce = None
         if self.distributed:
             self.meshes = par.build_meshes(p.ep_size)
-            self.expert_names = par.parallelize(self.model, self.meshes, p)
+            self.expert_names = par.parallelize_model(self.model, self.meshes, p)
             reduce = par.dp_all_reduce(self.meshes.dp_group)
         self.optimizer = build_optimizer(self.model, t)
         self.overflow: OverflowGuard | None = None
