@@ -6,12 +6,11 @@ T tokens on this rank, K slots per token, D model width.
         contiguous per rank); `_q` tensors are indexed by that order
     S   token rows this rank sends (a pair each without de-dup; one per (token, rank) with de-dup)
     N   pair slots received; B received token rows; R rows of the expert-major GEMM buffer
-    M   slots per received row in the de-dup pre-sum (the most pairs one row carries)
     C   per-link pair capacity (buffered mode); Cr per-link row capacity
 
 The protocol (docs/ep.md has the full note):
-1. Counts: each rank sends every rank an int64 row [pairs per local expert (L), rows, most pairs in
-   one row]: one fixed-size all-to-all, on the device.
+1. Counts: each rank sends every rank an int64 row [pairs per local expert (L), rows]: one
+   fixed-size all-to-all, on the device.
 2. Exact mode reads all split sizes on the host in one go (the only sync), then moves token rows (and,
    with de-dup, the per-pair metadata: row index in the link block, routing weight) with a
    variable-split all-to-all. Buffered mode never reads them: every (source, destination) link has a
@@ -21,9 +20,11 @@ The protocol (docs/ep.md has the full note):
    `align` rows, for one grouped GEMM over its L experts.
 4. Combine is the reverse trip. Without de-dup each pair's row goes back and the source applies the
    weights in token order with ops.permute.combine (the single-device code: bit-exact results). With
-   de-dup the destination multiplies each pair by its weight (which travelled with it, through the
-   differentiable all-to-all, so weights_TK gets its gradient) and sums the pairs of a row before the
-   return trip; the source sums one row per rank, in rank order.
+   de-dup the destination multiplies each GEMM output row by its pair's weight (which travelled with
+   it, through the differentiable all-to-all, so weights_TK gets its gradient) and sums the pairs of
+   a received row before the return trip; the source sums its returned rows per token, in rank
+   order. Both sums are segment sums (`index_add` into the row, fp32 accumulation): no gather into
+   a [rows, most pairs per row, D] tensor, no copy of the GEMM output into received order.
 
 Gathers of rows whose index may point nowhere (padding, overflow, the uninitialised tail of the GEMM
 output) go through `_take`, which reads an appended zero row instead of multiplying by a mask, so a NaN
@@ -85,6 +86,42 @@ def _take(src: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor) -> torch.Te
     return src.index_select(0, torch.where(valid, idx, src.shape[0] - 1))
 
 
+def _segment_sum(x_ND: torch.Tensor, seg_N: torch.Tensor, segments: int, dtype: torch.dtype) -> torch.Tensor:
+    """out[s] = sum of the rows x[n] with seg[n] == s, in row order, accumulated in fp32 and rounded
+    once to `dtype` (as a bf16 bmm would); seg == `segments` marks rows to leave out. Differentiable
+    (the backward is a gather). index_add is sequential on CPU; on GPU its order is not fixed."""
+    out = x_ND.new_zeros((segments + 1, x_ND.shape[1]), dtype=torch.float32)
+    return out.index_add(0, seg_N, x_ND.float())[:segments].to(dtype)
+
+
+class _WeightedSegmentSum(torch.autograd.Function):
+    """out[s] = sum over rows n with seg[n] == s of w[n] * y[n], in row order; seg == S leaves a row
+    out. fp32 products and sums (one upcast, multiplied in place), rounded once to y's dtype: the
+    numerics of a bf16 bmm without gathering the rows into a [S, most rows per segment, D] block.
+    A NaN in a left-out row (uninitialised GEMM tail) reaches neither the output nor any gradient."""
+
+    @staticmethod
+    def forward(ctx, y_ND: torch.Tensor, w_N: torch.Tensor, seg_N: torch.Tensor, S: int) -> torch.Tensor:
+        ctx.save_for_backward(y_ND, w_N, seg_N)
+        ctx.S = S
+        prod = y_ND.to(torch.float32, copy=True).mul_(w_N.float()[:, None])  # never y in place
+        out = prod.new_zeros((S + 1, y_ND.shape[1])).index_add_(0, seg_N, prod)
+        return out[:S].to(y_ND.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_SD: torch.Tensor):
+        y_ND, w_N, seg_N = ctx.saved_tensors
+        g_ND = torch.cat([grad_SD.float(), grad_SD.new_zeros((1, grad_SD.shape[1]), dtype=torch.float32)]
+                         ).index_select(0, seg_N)
+        grad_y = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_y = (g_ND * w_N.float()[:, None]).to(y_ND.dtype)
+        if ctx.needs_input_grad[1]:
+            dot = torch.where(seg_N[:, None] < ctx.S, g_ND * y_ND.float(), 0.0).sum(1)
+            grad_w = dot.to(w_N.dtype)
+        return grad_y, grad_w, None, None
+
+
 def _excl_cumsum(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     return torch.cumsum(x, dim) - x
 
@@ -98,20 +135,21 @@ class EPMeta:
     weights_TK: torch.Tensor
     keep_q: torch.Tensor  # bool [Q]: pair fitted its link (always True in exact mode)
     slot_q: torch.Tensor  # link slot of each pair (no de-dup) in the returned buffer
-    rowslot_TP: torch.Tensor  # de-dup: returned row of (token, rank); valid_TP says if it exists
+    token_S: torch.Tensor | None  # de-dup: token of each sent (= returned) row slot; T = empty slot
     valid_TP: torch.Tensor
     # destination side
     row_n: torch.Tensor  # GEMM buffer row of each received pair slot
     valid_n: torch.Tensor
-    table_BM: torch.Tensor  # de-dup: pair slots of each received row, for the pre-sum
-    valid_BM: torch.Tensor
-    w_n: torch.Tensor | None  # de-dup: received weights (differentiable)
+    src_R: torch.Tensor | None  # de-dup: received row of each GEMM row; B = none (padding)
+    w_R: torch.Tensor | None  # de-dup: routing weight of each GEMM row (differentiable; 0 on padding)
+    rows_recv: int  # de-dup: B, received token rows
     # the return trip: splits (exact) or None (buffered, fixed)
     splits_back: tuple[tuple[int, ...], tuple[int, ...]] | None
     # statistics
     overflow: torch.Tensor
     bytes_sent: torch.Tensor
     bytes_sent_without_dedup: torch.Tensor
+    link_demand: torch.Tensor  # most pairs this rank routes over one link (before any drop)
 
     @property
     def pairs_dropped(self) -> torch.Tensor:
@@ -144,6 +182,15 @@ class EPDispatcher:
                     group: ProcessGroup | None) -> "EPDispatcher":
         return cls(num_experts, group, align=align, mode=cfg.ep_mode, dedup=cfg.dedup,
                    ragged_buffer_factor=cfg.ragged_buffer_factor)
+
+    @property
+    def first_expert(self) -> int:
+        """The global index of this rank's first local expert."""
+        return self.rank * self.num_local
+
+    def capacity(self, num_tokens: int, top_k: int) -> int:
+        """Pair slots per link for `num_tokens` tokens per rank, k each (buffered mode's C)."""
+        return link_capacity(num_tokens, top_k, self.num_local, self.ep_size, self.ragged_buffer_factor)
 
     def worst_case(self) -> "EPDispatcher":
         """The same dispatcher with worst-case buffers: the retry of an overflowing step."""
@@ -189,24 +236,21 @@ class EPDispatcher:
         kept_P = kept_PL.sum(1)
         j_q = torch.cumsum(keep_q.long(), 0) - 1 - _excl_cumsum(kept_P)[rank_q]  # compacted position
         rows_P = fits_TP.sum(0) if self.dedup else kept_P
-        most_P = torch.where(fits_TP, hits_TP, 0).amax(0) if T else torch.zeros_like(rows_P)
         overflow = Q - keep_q.sum()
 
         # 1. counts exchange (fixed size, on the device)
-        info_PX = torch.cat([kept_PL, rows_P[:, None], most_P[:, None]], 1)
-        recv_PX = comm._exchange(info_PX.reshape(-1), None, None, self.group).view(Pn, L + 2)
+        info_PX = torch.cat([kept_PL, rows_P[:, None]], 1)
+        recv_PX = comm._exchange(info_PX.reshape(-1), None, None, self.group).view(Pn, L + 1)
         counts_SL = recv_PX[:, :L]  # pairs from source s for local expert l
 
         # 2. sizes: host read (exact) or static (buffered)
         if buffered:
             n_slots, n_rows_recv = Pn * C, Pn * (Cr if self.dedup else C)
-            M = min(K, L)
             splits_back = None
         else:
-            host = torch.cat([kept_P, rows_P, counts_SL.sum(1), recv_PX[:, L], recv_PX[:, L + 1]]).tolist()
+            host = torch.cat([kept_P, rows_P, counts_SL.sum(1), recv_PX[:, L]]).tolist()
             send_pairs, send_rows = host[:Pn], host[Pn:2 * Pn]
             recv_pairs, recv_rows = host[2 * Pn:3 * Pn], host[3 * Pn:4 * Pn]
-            M = max(host[4 * Pn:] + [1])
             n_slots, n_rows_recv = sum(recv_pairs), sum(recv_rows)
             # return trip: what was received goes back (rows with de-dup, pairs without)
             splits_back = (tuple(send_rows), tuple(recv_rows))
@@ -222,8 +266,9 @@ class EPDispatcher:
             if buffered:
                 slot = torch.arange(Pn * Cr, device=dev)
                 r, i = slot // max(Cr, 1), slot % max(Cr, 1)
-                x_send = _take(x_TD, token_of_sorted[(sorted_start_P[r] + i).clamp(max=max(Pn * T - 1, 0))],
-                               i < rows_P[r])
+                token_S = torch.where(i < rows_P[r], token_of_sorted[
+                    (sorted_start_P[r] + i).clamp(max=max(Pn * T - 1, 0))], T)
+                x_send = _take(x_TD, token_S, token_S < T)
                 pair_of_slot = torch.full((Pn * C + 1,), Q, dtype=torch.int64, device=dev)
                 pair_of_slot[torch.where(keep_q, rank_q * C + j_q, Pn * C)] = torch.arange(Q, device=dev)
                 pair_of_slot = pair_of_slot[:-1]
@@ -231,7 +276,8 @@ class EPDispatcher:
                 x_recv = comm.all_to_all_fixed(x_send, self.group)
                 meta_recv = comm.all_to_all_fixed(meta_send, self.group)
             else:
-                x_send = x_TD.index_select(0, token_of_sorted[:sum(send_rows)])
+                token_S = token_of_sorted[:sum(send_rows)]
+                x_send = x_TD.index_select(0, token_S)
                 x_recv = comm.all_to_all(x_send, recv_rows, send_rows, self.group)
                 meta_recv = comm.all_to_all(meta_q2, recv_pairs, send_pairs, self.group)
             w_n = meta_recv[:, 0]
@@ -239,7 +285,7 @@ class EPDispatcher:
             bytes_sent = (rows_P.sum() * D * es + kept_P.sum() * _META_BYTES) if not buffered else \
                 torch.tensor(Pn * (Cr * D * es + C * _META_BYTES), device=dev)
         else:
-            w_n, rowidx_n = None, None
+            w_n, rowidx_n, token_S = None, None, None
             if buffered:
                 slot = torch.arange(Pn * C, device=dev)
                 r, i = slot // max(C, 1), slot % max(C, 1)
@@ -284,61 +330,36 @@ class EPDispatcher:
             src_R = torch.where(pair_of_R < n_slots, recvrow_n[pair_of_R.clamp(max=max(n_slots - 1, 0))]
                                 if n_slots else pair_of_R, n_rows_recv)
             x_RD = _take(x_recv, src_R, src_R < n_rows_recv)
-            table_BM, valid_BM = self._presum_table(recvrow_n, valid_n, n_rows_recv, M)
+            w_R = _take(w_n, pair_of_R, pair_of_R < n_slots)
         else:
             x_RD = _take(x_recv, pair_of_R, pair_of_R < n_slots)
-            table_BM = valid_BM = None
+            src_R = w_R = None
         offsets_L = torch.cumsum(padded_L, 0).to(torch.int32)
 
-        # source-side return layout
-        if self.dedup:
-            base_P = torch.arange(Pn, device=dev) * Cr if buffered else _excl_cumsum(rows_P)
-            rowslot_TP = base_P[None, :] + rowidx_TP
-        else:
-            rowslot_TP = None
         slot_q = rank_q * C + j_q if buffered else torch.arange(Q, device=dev)
-        meta = EPMeta(plan, weights_TK, keep_q, slot_q, rowslot_TP, fits_TP, row_n, valid_n, table_BM,
-                      valid_BM, w_n, splits_back, overflow, bytes_sent, bytes_plain)
+        meta = EPMeta(plan, weights_TK, keep_q, slot_q, token_S, fits_TP, row_n, valid_n, src_R,
+                      w_R, n_rows_recv, splits_back, overflow, bytes_sent, bytes_plain,
+                      pairs_P.max() if Q else torch.zeros((), dtype=torch.int64, device=dev))
         return ExpertBatch(x_RD, offsets_L), meta
-
-    @staticmethod
-    def _presum_table(recvrow_n: torch.Tensor, valid_n: torch.Tensor, rows: int,
-                      M: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[rows, M] pair slots of each received row (in slot order), for a gather-and-sum pre-sum."""
-        N, dev = recvrow_n.numel(), recvrow_n.device
-        key = torch.where(valid_n, recvrow_n, rows)
-        order = torch.sort(key, stable=True).indices
-        cnt = torch.zeros(rows + 1, dtype=torch.int64, device=dev).index_add_(0, key, torch.ones_like(key))
-        slot = torch.arange(N, device=dev) - _excl_cumsum(cnt)[key[order]]
-        target = torch.where(key[order] < rows, key[order] * M + slot, rows * M)
-        table = torch.full((rows * M + 1,), N, dtype=torch.int64, device=dev)
-        table[target] = order
-        table = table[:-1].view(rows, M)
-        return table, table < N
 
     # -- combine -----------------------------------------------------------------------------------
 
     def combine(self, y_RD: torch.Tensor, meta: EPMeta) -> torch.Tensor:
         buffered = self.mode == "buffered"
-        y_n = _take(y_RD, meta.row_n, meta.valid_n)  # back to received order: one row per pair slot
         if self.dedup:
-            B, M = meta.table_BM.shape
-            w_n = meta.w_n.to(y_n.dtype)
-            y_BMD = _take(y_n, meta.table_BM.reshape(-1), meta.valid_BM.reshape(-1)).view(B, M, y_n.shape[1])
-            w_B1M = _take(w_n, meta.table_BM.reshape(-1), meta.valid_BM.reshape(-1)).view(B, 1, M)
-            y_send = torch.bmm(w_B1M, y_BMD).squeeze(1)  # one weighted, pre-summed row per (token, rank)
+            # Pre-sum: weight every GEMM row, add it into its received row (padding rows go to row B,
+            # cut off; their weight is 0, and a NaN in an unused row lands there too).
+            y_send = _WeightedSegmentSum.apply(y_RD, meta.w_R, meta.src_R, meta.rows_recv)
         else:
-            y_send = y_n
+            y_send = _take(y_RD, meta.row_n, meta.valid_n)  # back to received order: one row per pair slot
         if buffered:
             y_back = comm.all_to_all_fixed(y_send, self.group)
         else:
             out_splits, in_splits = meta.splits_back
             y_back = comm.all_to_all(y_send, out_splits, in_splits, self.group)
         if self.dedup:
-            T, Pn = meta.rowslot_TP.shape
-            y_TPD = _take(y_back, meta.rowslot_TP.reshape(-1), meta.valid_TP.reshape(-1)).view(
-                T, Pn, y_back.shape[1])
-            return y_TPD.sum(1)  # rank order: fixed, deterministic
+            # one row per (token, rank) came back, in rank order: sum them per token
+            return _segment_sum(y_back, meta.token_S, meta.weights_TK.shape[0], y_back.dtype)
         plan, weights_TK = meta.plan, meta.weights_TK
         if buffered:
             y_back = _take(y_back, meta.slot_q, meta.keep_q)

@@ -37,6 +37,8 @@ class MoEStats:
     tokens_per_expert_E: torch.Tensor  # int64: pairs routed to each expert (before any drop)
     pairs_computed: torch.Tensor  # int64 scalar
     pairs_dropped: torch.Tensor  # int64 scalar (0 on every dropless path)
+    # EP buffered mode: most pairs this rank asked one (source, destination) link to carry (int64)
+    link_demand: torch.Tensor | None = None
     # detailed_stats only:
     out_sq_E: torch.Tensor | None = None  # fp32: sum over e's rows of mean_d(y_row^2)
     router_entropy: torch.Tensor | None = None  # fp32: mean_T of -sum_e p log p (nats)
@@ -132,7 +134,8 @@ class MoELayer(nn.Module):
             # sequences are the second-to-last dim of x ([B, S, D]); a flat [T, D] input is one sequence
             seq_len = shape[-2] if len(shape) >= 3 else x_TD.shape[0]
             seq_aux = balance.sequence_aux_loss(probs_TE, decision.ids_TK, seq_len, decision.valid_TK)
-        stats = self._stats(decision, counts_E, probs_TE, meta.pairs_dropped, y_RD, batch)
+        stats = self._stats(decision, counts_E, probs_TE, meta.pairs_dropped, y_RD, batch,
+                            getattr(meta, "link_demand", None))
         return MoEOutput(
             y=y_TD.view(shape),
             aux_loss=aux,
@@ -143,15 +146,20 @@ class MoELayer(nn.Module):
         )
 
     def _stats(self, decision, counts_E: torch.Tensor, probs_TE: torch.Tensor, dropped: torch.Tensor,
-               y_RD: torch.Tensor, batch: ExpertBatch) -> MoEStats:
+               y_RD: torch.Tensor, batch: ExpertBatch,
+               link_demand: torch.Tensor | None = None) -> MoEStats:
         extra: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             if self.detailed_stats:
-                extra["out_sq_E"] = expert_out_sq(y_RD, batch.offsets_E, batch.weights_R)
+                out_sq = expert_out_sq(y_RD, batch.offsets_E, batch.weights_R)
+                if out_sq.numel() < self.cfg.num_experts:  # expert parallel: this rank's experts only
+                    first = getattr(self.dispatcher, "first_expert", 0)
+                    out_sq = torch.nn.functional.pad(out_sq, (first, self.cfg.num_experts - first - out_sq.numel()))
+                extra["out_sq_E"] = out_sq
                 extra["router_entropy"], extra["top1_top2_ratio"] = router_summaries(probs_TE)
             if self.cfg.router.strategy == "expert_threshold":
                 extra["score_quantile_E"] = routing.score_quantile(decision.scores_TE, self.cfg.top_k)
             if self.cfg.balance.quantile_balance:
                 extra["quantile_bias_E"] = balance.quantile_bias(
                     self.router.selection_base(decision), self.cfg.top_k)
-        return MoEStats(counts_E, counts_E.sum() - dropped, dropped, **extra)
+        return MoEStats(counts_E, counts_E.sum() - dropped, dropped, link_demand, **extra)

@@ -3,7 +3,9 @@
 Layout under a run directory:
 
     run_dir/checkpoints/
-        step_000123/state.pt      torch.save of the caller's dict
+        step_000123/state.pt      torch.save of the caller's dict (one process)
+        step_000123/.metadata     ... or a torch.distributed.checkpoint folder (several processes;
+                                  see dist_checkpoint.py), with trainer.pt beside it
         step_000123/COMPLETE      the marker: a checkpoint without it does not exist
         latest                    text: the name of the newest saved checkpoint, for people and tools
         .tmp-step_000456-<pid>/   an unfinished save (a crash); ignored, safe to delete
@@ -57,6 +59,7 @@ __all__ = [
 CHECKPOINT_DIR = "checkpoints"
 COMPLETE_MARKER = "COMPLETE"
 STATE_FILE = "state.pt"
+DCP_METADATA = ".metadata"  # written last by torch.distributed.checkpoint.save
 LATEST_FILE = "latest"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
@@ -86,7 +89,12 @@ def _write_file_synced(path: Path, data: bytes) -> None:
 
 
 def _is_complete(path: Path) -> bool:
-    return (path / COMPLETE_MARKER).is_file() and (path / STATE_FILE).is_file()
+    return (path / COMPLETE_MARKER).is_file() and ((path / STATE_FILE).is_file()
+                                                   or (path / DCP_METADATA).is_file())
+
+
+def is_distributed_checkpoint(path: Path) -> bool:
+    return (Path(path) / DCP_METADATA).is_file()
 
 
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
@@ -121,18 +129,30 @@ def save_checkpoint(
         raise ValueError(
             f"save_checkpoint: keep_last must be >= 1 or None, got keep_last={keep_last}"
         )
-    name = checkpoint_name(step)
-    ckpt_dir = Path(run_dir) / CHECKPOINT_DIR
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-
-    tmp = ckpt_dir / f".tmp-{name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    tmp = temp_dir(run_dir, step, os.getpid())
     with open(tmp / STATE_FILE, "wb") as f:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
+    return publish(run_dir, step, tmp, keep_last=keep_last)
+
+
+def temp_dir(run_dir: str | Path, step: int, tag: int | str) -> Path:
+    """A fresh hidden folder to write checkpoint `step` into (removed first if a crash left it)."""
+    ckpt_dir = Path(run_dir) / CHECKPOINT_DIR
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    tmp = ckpt_dir / f".tmp-{checkpoint_name(step)}-{tag}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return tmp
+
+
+def publish(run_dir: str | Path, step: int, tmp: Path, *, keep_last: int | None = None) -> Path:
+    """Turn a fully written (and fsynced) temporary folder into checkpoint `step`: marker, fsync,
+    atomic rename, `latest` pointer, pruning. One process only."""
+    name = checkpoint_name(step)
+    ckpt_dir = Path(run_dir) / CHECKPOINT_DIR
     _write_file_synced(tmp / COMPLETE_MARKER, f"{step}\n".encode())
     _fsync_dir(tmp)
 

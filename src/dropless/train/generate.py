@@ -24,10 +24,17 @@ def load_model(run_dir: str | Path) -> tuple[MoEModel, RunConfig]:
     path = ckpt.latest_checkpoint(run_dir)
     if path is None:
         raise FileNotFoundError(f"no complete checkpoint under {Path(run_dir) / 'checkpoints'}")
-    state = ckpt.load_checkpoint(path)
-    cfg = from_dict(RunConfig, state["config"])
-    model = MoEModel(cfg.model)
-    model.load_state_dict(state["model"])
+    if ckpt.is_distributed_checkpoint(path):  # written by several processes: load all experts here
+        from . import dist_checkpoint
+
+        cfg = from_dict(RunConfig, dist_checkpoint.trainer_state(path)["config"])
+        model = MoEModel(cfg.model)
+        dist_checkpoint.load_full_model(path, model)
+    else:
+        state = ckpt.load_checkpoint(path)
+        cfg = from_dict(RunConfig, state["config"])
+        model = MoEModel(cfg.model)
+        model.load_state_dict(state["model"])
     model.eval()
     return model, cfg
 

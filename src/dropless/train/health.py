@@ -8,15 +8,22 @@ twice. Per log interval: one host sync for the whole record, probe-batch flip ra
 
 The probe batch is fixed for the run (the first validation window), so the step-to-step flip rate
 measures the router changing, not the data.
+
+Distributed: `all_reduce` is a real reduction over the data-parallel group (sum or max, in place), so
+counts, the balancing rules and the record span all ranks; every rank runs `record` (the probe is a
+forward through the sharded model, which needs every rank), only the one built with `write=True`
+writes files and prints.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from ..layers import balance
 from ..layers.moe import MoELayer
@@ -33,7 +40,7 @@ def _no_reduce(t: torch.Tensor, op: str) -> None:
 
 class TrainHealth:
     def __init__(self, model: MoEModel, run_dir: Path, probe_BS: torch.Tensor,
-                 all_reduce: AllReduce | None = None, echo: bool = True) -> None:
+                 all_reduce: AllReduce | None = None, echo: bool = True, write: bool = True) -> None:
         self.model = model
         self.layers: list[MoELayer] = model.moe_layers()
         moe = model.cfg.moe
@@ -41,7 +48,8 @@ class TrainHealth:
         self.reduce = all_reduce or _no_reduce
         dev = model.embed.weight.device
         self.acc = mstats.StepAccumulator(len(self.layers), moe.num_experts, moe.top_k, dev)
-        self.monitor = HealthMonitor(run_dir, echo=echo)
+        self.write = write
+        self.monitor = HealthMonitor(run_dir if write else None, echo=echo and write)
         self.probe_BS = probe_BS
         self.prev_probe_ids: list[torch.Tensor | None] = [None] * len(self.layers)
         self._quantile: list[torch.Tensor] = []
@@ -87,6 +95,17 @@ class TrainHealth:
         self.reduce(total, "sum")
         self.reduce(n, "sum")
         return total / n
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """Copies of the accumulator, to forget a step that is run again (EP overflow retry)."""
+        tensors = {n: t for n, (t, _) in self.acc.interval_tensors().items()}
+        tensors["step_counts_LE"] = self.acc.step_counts_LE
+        return {n: t.clone() for n, t in tensors.items()}
+
+    def rollback(self, snap: dict[str, torch.Tensor], log_step: bool) -> None:
+        for n, t in snap.items():
+            getattr(self.acc, n).copy_(t)
+        self.begin_step(log_step)
 
     @torch.no_grad()
     def end_step(self) -> None:
@@ -136,17 +155,35 @@ class TrainHealth:
         if not self.layers:
             return {}
         inputs, ids = self.probe(autocast)
-        flip_bf16 = [mstats.bf16_flip_rate(layer.router, x) for layer, x in zip(self.layers, inputs)]
+        flip_bf16 = []
+        for layer, x in zip(self.layers, inputs):
+            with _unsharded(layer.router):
+                flip_bf16.append(mstats.bf16_flip_rate(layer.router, x))
         flip_step = [mstats.flip_rate(p, n, num_experts=self.cfg.num_experts) if p is not None else None
                      for p, n in zip(self.prev_probe_ids, ids)]
         self.prev_probe_ids = ids
         self.acc.all_reduce(self.reduce)
         row = self.acc.record(step, flip_bf16=flip_bf16, flip_step=flip_step, overflow=overflow,
                               bias=[layer.router.expert_bias for layer in self.layers])
-        with (run_dir / "routing.jsonl").open("a") as fh:
-            fh.write(json.dumps(row) + "\n")
+        if self.write:
+            with (run_dir / "routing.jsonl").open("a") as fh:
+                fh.write(json.dumps(row) + "\n")
         self.monitor.check(row)
         return row
+
+
+@contextlib.contextmanager
+def _unsharded(module: torch.nn.Module) -> Iterator[None]:
+    """Gather an FSDP unit's parameters for a call outside the model's forward (the router's bf16
+    flip rate reads `router.weight` directly)."""
+    if not isinstance(module, FSDPModule):
+        yield
+        return
+    module.unshard()
+    try:
+        yield
+    finally:
+        module.reshard()
 
 
 def global_aux_terms(out: ModelOutput, global_counts_LE: torch.Tensor, top_k: int, num_tokens: int,

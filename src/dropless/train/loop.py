@@ -8,6 +8,14 @@ them (one sync) every `log.log_every` steps, together with the loss.
 
 Resume is exact: a checkpoint holds model, optimizer, step and RNG state; batches and learning rates
 are functions of the step; the logs are cut back to the checkpoint's step before the run goes on.
+
+Distributed (a process group is initialised, e.g. by torchrun): the model is parallelised from outside
+(distributed/parallelize.py: EP, then FSDP2). Rank r's micro-batch m of step s is the micro-batch
+(m * W + r) that one process with W times the accumulation would draw, so W ranks with grad_accum A
+follow one process with grad_accum W*A (tests/distributed/test_parallel_train.py). Health counts
+are all-reduced over the ranks; the logged losses are means over ranks; only rank 0 writes files and
+progress. Checkpoints go through torch.distributed.checkpoint (dist_checkpoint.py), resumable at
+another world size. EP buffered mode's overflow policy (skip, check, retry) is in overflow.py.
 """
 
 from __future__ import annotations
@@ -20,13 +28,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..config import RunConfig, save_config, to_dict
+from ..distributed import parallelize as par
 from ..model import MoEModel
 from . import checkpoint as ckpt
+from . import dist_checkpoint
 from .data import eval_batches, get_batch, load_splits
 from .health import TrainHealth, global_aux_terms
 from .optim import build_optimizer
+from .overflow import OverflowGuard
 from .schedule import lr_at
 from .sinks import JsonlLog, Progress, TensorBoard
 from .tokenizer import load_tokenizer
@@ -59,24 +71,47 @@ class Trainer:
         self.train_tokens, self.val_tokens = load_splits(
             cfg.data.sources or None, self.tokenizer, val_fraction=cfg.data.val_fraction,
             max_bytes=cfg.data.max_bytes or None, text_field=cfg.data.text_field)
-        self.model = MoEModel(cfg.model)
+        self.distributed = dist.is_initialized()
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.is_main = self.rank == 0
+        p = cfg.parallel
+        if not self.distributed and p.ep_size > 1:
+            raise ValueError(f"parallel.ep_size={p.ep_size}: expert parallelism needs several processes "
+                             "(dropless train --nproc N, or torchrun -m dropless.train)")
+        self.model = MoEModel(cfg.model)  # the same seed on every rank: identical initial weights
+        self.param_counts = self.model.num_params()  # before sharding: global counts
+        self.meshes: par.Meshes | None = None
+        self.expert_names: list[str] = []
+        reduce = None
+        if self.distributed:
+            self.meshes = par.build_meshes(p.ep_size)
+            self.expert_names = par.parallelize_model(self.model, self.meshes, p)
+            reduce = par.dp_all_reduce(self.meshes.dp_group)
         self.optimizer = build_optimizer(self.model, t)
+        self.overflow: OverflowGuard | None = None
+        if self.distributed and p.ep_mode == "buffered" and self.model.moe_layers():
+            capacity = self.model.moe_layers()[0].dispatcher.capacity(t.batch_size * t.seq_len,
+                                                                     cfg.model.moe.top_k)
+            self.overflow = OverflowGuard(self.optimizer, reduce, capacity, p.ragged_buffer_factor,
+                                          p.overflow_check_every)
         self.start_step = 0
         self.metrics = JsonlLog(self.run_dir / "metrics.jsonl")
         self.routing = JsonlLog(self.run_dir / "routing.jsonl")
         self.health_log = JsonlLog(self.run_dir / "health.jsonl")
         if resume:
             self._resume()
-        else:
+        elif self.is_main:
             for log in (self.metrics, self.routing, self.health_log):
                 log.truncate_from(0)
         probe = next(iter(eval_batches(self.val_tokens, min(4, t.batch_size), t.seq_len, 1)))[0]
-        self.health = TrainHealth(self.model, self.run_dir, probe, echo=cfg.log.progress)
+        self.health = TrainHealth(self.model, self.run_dir, probe, all_reduce=reduce,
+                                  echo=cfg.log.progress, write=self.is_main)
         if resume:
             self.health.restore(self._resume_state.get("health", {}), self.routing.read())
-        save_config(cfg, self.run_dir / "config.toml")
+        if self.is_main:
+            save_config(cfg, self.run_dir / "config.toml")
         self.autocast_dtype = torch.bfloat16 if t.dtype == "bf16" else None
-        self.world_size = 1
 
     # ---------------------------------------------------------------------------------------------
 
@@ -84,35 +119,55 @@ class Trainer:
         path = ckpt.latest_checkpoint(self.run_dir)
         if path is None:
             raise FileNotFoundError(f"--resume: no complete checkpoint under {self.run_dir / 'checkpoints'}")
-        state = ckpt.load_checkpoint(path)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.distributed != ckpt.is_distributed_checkpoint(path):
+            kind = "one-process" if self.distributed else "distributed"
+            raise ValueError(f"--resume: {path} was written by a {kind} run; resume it the same way "
+                             "(dropless train --nproc N for distributed ones)")
+        if self.distributed:
+            state = dist_checkpoint.load(path, self.model, self.optimizer, self.expert_names, self.meshes)
+        else:
+            state = ckpt.load_checkpoint(path)
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         ckpt.set_rng_state(state["rng"])
         self.start_step = int(state["step"])
         self._resume_state = state
-        for log in (self.metrics, self.routing, self.health_log):
-            log.truncate_from(self.start_step)
-        print(f"resumed from {path} at step {self.start_step}")
+        if self.is_main:
+            for log in (self.metrics, self.routing, self.health_log):
+                log.truncate_from(self.start_step)
+            print(f"resumed from {path} at step {self.start_step}")
+        if self.distributed:
+            dist.barrier()  # the logs are cut before any rank reads them
 
     def save(self, next_step: int) -> Path:
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "step": next_step, "rng": ckpt.rng_state(), "config": to_dict(self.cfg),
+        state = {"step": next_step, "rng": ckpt.rng_state(), "config": to_dict(self.cfg),
                  "health": self.health.state_dict()}
+        if self.distributed:
+            return dist_checkpoint.save(self.run_dir, next_step, self.model, self.optimizer,
+                                        self.expert_names, self.meshes, state, self.cfg.train.keep_last)
+        state.update(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
         return ckpt.save_checkpoint(self.run_dir, next_step, state, keep_last=self.cfg.train.keep_last)
+
+    def micro_index(self, micro: int) -> int:
+        """This rank's micro-batch `micro` is the one-process micro-batch micro * W + rank."""
+        return micro * self.world_size + self.rank
 
     def autocast(self) -> torch.autocast:
         return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast_dtype is not None)
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        """Every rank runs the same batches (EP needs every rank in each forward; W-fold redundant
+        compute, a known cost), with worst-case EP buffers so no pair is dropped."""
         t = self.cfg.train
         self.model.eval()
         total, n = 0.0, 0
-        for x, y in eval_batches(self.val_tokens, t.batch_size, t.seq_len, t.eval_batches):
-            with self.autocast():
-                out = self.model(x, y)
-            total += float(out.ce_loss) * x.numel()
-            n += x.numel()
+        with par.worst_case_dispatch(self.model):
+            for x, y in eval_batches(self.val_tokens, t.batch_size, t.seq_len, t.eval_batches):
+                with self.autocast():
+                    out = self.model(x, y)
+                total += float(out.ce_loss) * x.numel()
+                n += x.numel()
         self.model.train()
         return total / max(n, 1)
 
@@ -128,7 +183,8 @@ class Trainer:
         counts = torch.zeros(L, E)
         with torch.no_grad():
             for micro in range(t.grad_accum):
-                x, _ = get_batch(self.train_tokens, step, micro, t.batch_size, t.seq_len, t.seed)
+                x, _ = get_batch(self.train_tokens, step, self.micro_index(micro), t.batch_size, t.seq_len,
+                                 t.seed)
                 with self.autocast():
                     out = self.model(x)
                 counts += torch.stack([s.tokens_per_expert_E.float() for s in out.stats])
@@ -141,13 +197,50 @@ class Trainer:
                    min_lr_ratio=t.min_lr_ratio, decay_fraction=t.decay_fraction)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        guard = self.overflow
+        retry = guard is not None and self.cfg.parallel.retry_on_overflow
+        snap = self.health.snapshot() if retry else None
+        sums, dropped, demand = self._forward_backward(step, log_step)
+        invalid = None
+        if guard is not None:
+            dropped, demand = guard.reduce_step(dropped, demand)
+            if not retry:
+                invalid = guard.note(dropped, demand)
+            elif bool(dropped > 0):  # the one host read per step that retry costs (overflow.py)
+                self.optimizer.zero_grad(set_to_none=True)
+                self.health.rollback(snap, log_step)
+                guard.retried += 1
+                with par.worst_case_dispatch(self.model):
+                    sums, _, _ = self._forward_backward(step, log_step)
+        if self.distributed:
+            grad_norm = par.finish_grads_(self.model, self.expert_names, self.meshes.mesh.size(1),
+                                          t.grad_clip, self.meshes.dp_group)
+        elif t.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+        else:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+        if invalid is not None:
+            guard.guarded_step(invalid)
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.health.end_step()
+        return sums, grad_norm
+
+    def _forward_backward(self, step: int, log_step: bool) -> tuple[StepLosses, torch.Tensor, torch.Tensor]:
+        """The step's micro-batches, forward and backward; returns the mean losses and this rank's
+        EP overflow (dropped pairs, busiest link demand), device scalars."""
+        t = self.cfg.train
         bal, K = self.cfg.model.moe.balance, self.cfg.model.moe.top_k
         pre_counts = self._global_counts(step)
         self.health.begin_step(log_step)
         zero = lambda: torch.zeros(())  # noqa: E731
         sums = StepLosses(zero(), zero(), zero())
+        dropped = torch.zeros((), dtype=torch.int64)
+        demand = torch.zeros((), dtype=torch.int64)
         for micro in range(t.grad_accum):
-            x, y = get_batch(self.train_tokens, step, micro, t.batch_size, t.seq_len, t.seed)
+            x, y = get_batch(self.train_tokens, step, self.micro_index(micro), t.batch_size, t.seq_len,
+                             t.seed)
             with self.autocast():
                 out = self.model(x, y)
             loss, moe_loss = out.loss, out.moe_loss
@@ -161,25 +254,26 @@ class Trainer:
                 loss, moe_loss = loss + extra, moe_loss + extra
             (loss / t.grad_accum).backward()
             self.health.add_micro(out)
+            if self.overflow is not None:
+                d, m = OverflowGuard.count(out.stats)
+                dropped, demand = dropped + d, torch.maximum(demand, m)
             sums.loss += loss.detach().float() / t.grad_accum
             sums.ce += out.ce_loss.detach().float() / t.grad_accum
             sums.moe += moe_loss.detach().float() / t.grad_accum
-        if t.grad_clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
-        else:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.health.end_step()
-        return sums, grad_norm
+        return sums, dropped, demand
 
     def log_row(self, step: int, sums: StepLosses, grad_norm: torch.Tensor, tokens_per_s: float) -> dict:
         # The one host sync of the interval for the losses; the routing record makes its own.
-        values = torch.stack([sums.loss, sums.ce, sums.moe, grad_norm.float()]).tolist()
+        losses = torch.stack([sums.loss, sums.ce, sums.moe])
+        if self.distributed:  # means over ranks (the gradient norm is already global)
+            self.health.reduce(losses, "sum")
+            losses = losses / self.world_size
+        values = torch.cat([losses, grad_norm.float().reshape(1)]).tolist()
         row = {"step": step, "loss": values[0], "ce_loss": values[1], "moe_loss": values[2],
                "grad_norm": values[3], "lr": self.optimizer.param_groups[0]["lr"],
                "tokens_per_s": tokens_per_s}
-        record = self.health.record(step, self.autocast(), self.run_dir)
+        with par.worst_case_dispatch(self.model):  # the probe must not depend on the buffer size
+            record = self.health.record(step, self.autocast(), self.run_dir)
         if record:
             row["maxvio_global"] = max(layer["maxvio_global"] for layer in record["layers"])
             row["maxvio_local"] = max(layer["maxvio_local"] for layer in record["layers"])
@@ -188,11 +282,12 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         cfg, t = self.cfg, self.cfg.train
-        tb = TensorBoard(self.run_dir / "tensorboard", cfg.log.tensorboard)
-        bar = Progress(t.steps, self.start_step, cfg.log.progress)
-        tokens_per_step = t.batch_size * t.seq_len * t.grad_accum
-        params = self.model.num_params()
-        bar.write(f"model: {params['total'] / 1e6:.2f}M parameters, {params['active'] / 1e6:.2f}M active; "
+        tb = TensorBoard(self.run_dir / "tensorboard", cfg.log.tensorboard and self.is_main)
+        bar = Progress(t.steps, self.start_step, cfg.log.progress and self.is_main)
+        tokens_per_step = t.batch_size * t.seq_len * t.grad_accum * self.world_size
+        params = self.param_counts
+        say = bar.write if self.is_main else (lambda text: None)
+        say(f"model: {params['total'] / 1e6:.2f}M parameters, {params['active'] / 1e6:.2f}M active; "
                   f"train {self.train_tokens.numel() / 1e6:.1f}M tokens, val {self.val_tokens.numel() / 1e6:.2f}M")
         last_time, last_step = time.perf_counter(), self.start_step
         row: dict[str, Any] = {}
@@ -214,7 +309,8 @@ class Trainer:
                     if not math.isfinite(row["loss"]):
                         raise FloatingPointError(f"loss is {row['loss']} at step {step}: stopping "
                                                  "(the last checkpoint is intact)")
-                    self.metrics.write(row)
+                    if self.is_main:
+                        self.metrics.write(row)
                     tb.scalars(step, row)
                     fields = {"loss": f"{row['loss']:.3f}", "tok/s": f"{tps:,.0f}"}
                     if "maxvio_global" in row:
@@ -222,10 +318,14 @@ class Trainer:
                     bar.update(step + 1, fields)
                 if (step + 1) % t.eval_every == 0 or last:
                     val_loss = self.evaluate()
-                    self.metrics.write({"step": step, "val_loss": val_loss})
+                    if self.is_main:
+                        self.metrics.write({"step": step, "val_loss": val_loss})
                     tb.scalars(step, {"val_loss": val_loss})
-                    bar.write(f"step {step + 1}: val_loss {val_loss:.4f} nats/token")
-                if (step + 1) % t.ckpt_every == 0 or last:
+                    say(f"step {step + 1}: val_loss {val_loss:.4f} nats/token")
+                save = (step + 1) % t.ckpt_every == 0 or last
+                if self.overflow is not None and (save or (step + 1) % self.overflow.check_every == 0):
+                    self.overflow.check(step)  # before a checkpoint, so none covers a skipped step unseen
+                if save:
                     self.save(step + 1)
         finally:
             bar.close()
@@ -233,9 +333,11 @@ class Trainer:
         return self.finish(val_loss, time.perf_counter() - start_wall)
 
     def finish(self, val_loss: float, wall_s: float) -> dict[str, Any]:
+        if not self.is_main:
+            return {"steps": self.cfg.train.steps, "final_val_loss": val_loss, "rank": self.rank}
         rows = self.metrics.read()
         train_rows = [r for r in rows if "loss" in r]
-        params = self.model.num_params()
+        params = self.param_counts
         summary = {
             "steps": self.cfg.train.steps,
             "final_val_loss": val_loss,
