@@ -271,7 +271,7 @@ def fake_quantize_fp32(x: torch.Tensor, fmt: str, dim: int = -1) -> torch.Tensor
     amax = x_blk.abs().amax(dim=bdim, keepdim=True)  # NaN/Inf propagate: the block is non-finite
     bad = ~torch.isfinite(amax)
     amax = torch.where(bad, 0.0, amax)
-    nan = torch.tensor(float("nan"))
+    nan = float("nan")
 
     if fmt.startswith("mx"):
         exp = e8m0_exponent_for(amax, EMAX_ELEM[elem])

@@ -54,13 +54,17 @@ Recipes (`RECIPES`; the formats are `ops.quant`'s):
   algebra; the parity test checks the encoding we do use.
 * mxfp4 is E2M1 with E8M0 scales, blocks of 32 everywhere (gpt-oss stores its experts so).
 
-Emulation. On every device the product is computed as `dequantize(quantize(.))` to fp32, then a
-plain fp32 matmul per expert (the grouped-GEMM loop of `grouped_mm_reference`): the numbers a real
-block-scaled kernel multiplies, accumulated in fp32, equal up to the summation order. The output and
-gradients are cast back to the input dtypes (a real kernel writes bf16). The loop reads the offsets on
-the host (one sync per GEMM) and the fake-quantised copies cost memory and time: this path is for
-numerics, never for speed. A guarded `torch._scaled_grouped_mm` path for CUDA is phase 2 work; no speed
-is claimed here.
+Emulation. On every device the product is computed as `dequantize(quantize(.))` to fp32 (by
+`quant.fake_quantize_fp32`, the same bits without building the bytes), then a plain fp32 matmul per
+expert (the grouped-GEMM loop of `grouped_mm_reference`): the numbers a real block-scaled kernel
+multiplies, accumulated in fp32, equal up to the summation order. The output and gradients are cast
+back to the input dtypes (a real kernel writes bf16). Row operands are quantised in one call over the
+grouped region [0, end) for every dim, wgrad's token dim included: the plan's alignment makes each
+token block lie inside one expert, so the blocks are cut in place with no per-expert slicing (NVFP4
+alone loops, for its per-expert tensor scale). The loop reads the offsets on the host (one sync per
+GEMM); on CPU that costs microseconds, and the time goes to the elementwise passes of quantisation
+and to fp32 matmuls. This path is for numerics, never for speed. A guarded `torch._scaled_grouped_mm`
+path for CUDA is future work; no speed is claimed here.
 """
 
 from __future__ import annotations
