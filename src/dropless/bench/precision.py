@@ -2,6 +2,7 @@
 
     dropless bench precision [--config tiny] [--steps N] [--precisions bf16,mxfp8,...]
                              [--set a.b=value ...] [--out DIR] [--json FILE]
+                             [--time-repeats R] [--skip-train]
 
 Design note
 -----------
@@ -16,12 +17,16 @@ gap to bf16 (`rel_to_bf16 = val_loss / bf16 val_loss - 1`).
 N / preset steps, so the schedule keeps its shape (a 150-step run of a 600-step preset warms up for
 a quarter as long and decays to the same min_lr). `--set` overrides are applied after the scaling.
 
-Timing. `step_ms` is the median wall time of `Trainer.train_step` (forward, backward, optimizer) over
-the run, first step excluded (allocator warm-up); evaluation and checkpoints are not in it. Unlike the
-layer benchmark, the variants cannot be interleaved: each is a whole training run, so they run back
-to back in one command, and on a shared machine `step_ms_rel_to_bf16` carries whatever the load did
-between runs. Every low precision is emulated (`ops/quant_gemm.py`), so step times measure the cost
-of the emulation, never the speed of a low-precision kernel.
+Timing. A whole training run cannot be interleaved with another, and on a shared machine the load
+changes between runs (on the shared 2-core machine of docs/low_precision.md, one fp8_blockwise step
+took 0.7 s during its training run and 25 s in a test minutes later), so a step time taken during training says little about the precision. After the training
+runs, the step time is therefore measured separately and interleaved: a fresh trainer per precision
+(same model and batch shape, a small slice of the corpus, which does not change the cost of a step)
+takes `Trainer.train_step` (forward, backward, optimizer) in turns, one step of every precision, then
+the next, `--time-repeats` times after one warm-up round; `step_ms` is the median. `run_step_ms`, the
+median step time during the precision's own training run, is kept for reference. `--skip-train` runs
+the timing alone. Every low precision is emulated (`ops/quant_gemm.py`), so step times measure the
+cost of the emulation, never the speed of a low-precision kernel.
 
 The optimizer-state line compares `train.optimizer = adamw` with `adamw_bf16` (moments in bf16) on
 the preset's model: `optim_lowp.state_bytes` after one optimizer step of each.
@@ -45,13 +50,15 @@ from ..model import MoEModel
 from ..train.optim import build_optimizer
 from ..train.optim_lowp import state_bytes
 from ..train.run import preset_path
-from .timing import format_table
+from .timing import format_table, interleaved
 
 BASELINE = "bf16"
 # Fields scaled with --steps (they count steps); everything else is the preset's.
 SCALED = ("warmup_steps", "eval_every", "ckpt_every")
 QUIET = ["log.tensorboard=false", "log.plots=false"]
-COLUMNS = ["precision", "val_loss", "rel_to_bf16", "step_ms", "step_ms_rel_to_bf16", "train_loss"]
+TIMING_CORPUS_BYTES = 2_000_000  # the timing trainers' corpus slice: batches cost the same from any corpus
+COLUMNS = ["precision", "val_loss", "rel_to_bf16", "step_ms", "step_ms_rel_to_bf16", "run_step_ms",
+           "train_loss"]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -68,6 +75,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="folder for the run directories "
                    "(default: runs/bench-precision-<time>)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the rows to FILE as JSON")
+    p.add_argument("--time-repeats", type=int, default=3,
+                   help="interleaved timing rounds after training (default 3; 0 = no timing)")
+    p.add_argument("--skip-train", action="store_true", help="only the interleaved step timing")
     return p
 
 
@@ -106,7 +116,7 @@ def optimizer_state_bytes(cfg: RunConfig) -> dict[str, int]:
 
 
 def train_one(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
-    """Train to the end; return the summary plus the median train_step time in ms."""
+    """Train to the end; return the summary plus the median train_step time in ms during the run."""
     from ..train.loop import Trainer
 
     trainer = Trainer(cfg, run_dir)
@@ -121,32 +131,61 @@ def train_one(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
 
     trainer.train_step = timed_step  # type: ignore[method-assign]  # fit() calls it per step
     summary = trainer.fit()
-    summary["step_ms"] = statistics.median(times_ms[1:] or times_ms)
+    summary["run_step_ms"] = statistics.median(times_ms[1:] or times_ms)
     return summary
 
 
-def compare(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    base = results.get(BASELINE)
+def time_steps(configs: dict[str, RunConfig], out: Path, repeats: int) -> dict[str, float]:
+    """Median ms of one `train_step` per precision, interleaved (see the module note)."""
+    from ..train.loop import Trainer
+
+    trainers = {}
+    for p, cfg in configs.items():
+        max_bytes = min(cfg.data.max_bytes or TIMING_CORPUS_BYTES, TIMING_CORPUS_BYTES)
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_bytes=max_bytes))
+        trainers[p] = Trainer(cfg, out / "timing" / p)
+    counter = {p: 0 for p in trainers}
+
+    def step_of(p: str):
+        def run() -> None:
+            trainers[p].train_step(counter[p])
+            counter[p] += 1
+        return run
+
+    def progress(rep: int) -> None:
+        print(f"timing round {rep + 1}/{repeats}", file=sys.stderr, flush=True)
+
+    return interleaved({p: step_of(p) for p in trainers}, repeats=repeats, warmup=1, progress=progress)
+
+
+def compare(precisions: list[str], results: dict[str, dict[str, Any]],
+            step_ms: dict[str, float]) -> list[dict[str, Any]]:
+    def ratio(a: float | None, b: float | None, minus: float) -> float | None:
+        return None if a is None or b is None else a / b - minus
+
+    base = results.get(BASELINE, {})
     rows = []
-    for p, s in results.items():
-        row = {"precision": p, "val_loss": s["final_val_loss"], "train_loss": s["final_train_loss"],
-               "step_ms": s["step_ms"], "rel_to_bf16": None, "step_ms_rel_to_bf16": None}
-        if base is not None:
-            row["rel_to_bf16"] = s["final_val_loss"] / base["final_val_loss"] - 1
-            row["step_ms_rel_to_bf16"] = s["step_ms"] / base["step_ms"]
-        rows.append(row)
+    for p in precisions:
+        s = results.get(p, {})
+        rows.append({"precision": p, "val_loss": s.get("final_val_loss"), "train_loss": s.get("final_train_loss"),
+                     "rel_to_bf16": ratio(s.get("final_val_loss"), base.get("final_val_loss"), 1.0),
+                     "step_ms": step_ms.get(p),
+                     "step_ms_rel_to_bf16": ratio(step_ms.get(p), step_ms.get(BASELINE), 0.0),
+                     "run_step_ms": s.get("run_step_ms")})
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    precisions = list(dict.fromkeys(p.strip() for p in args.precisions.split(",") if p.strip()))
     try:
         bad = [p for p in precisions if p not in PRECISIONS]
         if bad or not precisions:
             raise ValueError(f"--precisions {args.precisions!r}: choose from {', '.join(PRECISIONS)}")
         if args.steps is not None and args.steps < 1:
             raise ValueError(f"--steps {args.steps}: must be a positive integer")
+        if args.time_repeats < 0:
+            raise ValueError(f"--time-repeats {args.time_repeats}: must be >= 0")
         preset = preset_path(args.config)
         configs = build_configs(preset, precisions, args.steps, args.overrides)
     except (ValueError, FileNotFoundError) as err:
@@ -160,18 +199,21 @@ def main(argv: list[str] | None = None) -> int:
           f"runs under {out}", file=sys.stderr, flush=True)
 
     results: dict[str, dict[str, Any]] = {}
-    for i, (p, cfg) in enumerate(configs.items()):
+    for i, (p, cfg) in enumerate(configs.items() if not args.skip_train else ()):
         print(f"[{i + 1}/{len(configs)}] moe.precision={p}", file=sys.stderr, flush=True)
         results[p] = train_one(cfg, out / p)
         print(f"[{i + 1}/{len(configs)}] {p}: val_loss {results[p]['final_val_loss']:.4f}, "
-              f"step {results[p]['step_ms']:.0f} ms", file=sys.stderr, flush=True)
+              f"step {results[p]['run_step_ms']:.0f} ms (in run)", file=sys.stderr, flush=True)
+    step_ms = time_steps(configs, out, args.time_repeats) if args.time_repeats else {}
 
-    rows = compare(results)
+    rows = compare(precisions, results, step_ms)
     state = optimizer_state_bytes(first)
     print(f"dropless bench precision: preset {preset.stem}, {t.steps} steps, "
-          f"{t.batch_size * t.seq_len * t.grad_accum} tokens/step; one whole training run per precision, "
-          "run back to back (not interleaved): step_ms ratios include any change in machine load between "
-          "runs. Low precision is emulated in fp32 (step_ms = emulation cost, not kernel speed).")
+          f"{t.batch_size * t.seq_len * t.grad_accum} tokens/step. val_loss: one whole training run per "
+          "precision, run back to back (runs cannot be interleaved). step_ms: median train_step, all "
+          f"precisions interleaved, {args.time_repeats} rounds; run_step_ms: median during each training "
+          "run (not interleaved: includes load changes between runs). Low precision is emulated in fp32: "
+          "step_ms is the emulation's cost, not a kernel's speed.")
     print(format_table(rows, COLUMNS))
     print(f"optimizer state after one step: adamw {state['adamw']:,} B, adamw_bf16 {state['adamw_bf16']:,} B "
           f"({state['adamw_bf16'] / state['adamw']:.3f}x, saves {state['adamw'] - state['adamw_bf16']:,} B)")
@@ -180,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         record = {"command": "dropless bench precision " + " ".join(argv if argv is not None else sys.argv[1:]),
                   "date": time.strftime("%Y-%m-%d %H:%M"), "preset": preset.stem, "steps": t.steps,
-                  "threads": torch.get_num_threads(), "rows": rows, "optimizer_state_bytes": state}
+                  "threads": torch.get_num_threads(), "time_repeats": args.time_repeats, "rows": rows, "optimizer_state_bytes": state}
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
     return 0
 
