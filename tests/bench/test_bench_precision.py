@@ -55,3 +55,4 @@ def test_bad_arguments(capsys: pytest.CaptureFixture) -> None:
     assert "fp16" in capsys.readouterr().err
     assert bench.main(["--steps", "0"]) == 2
     assert bench.main(["--time-repeats", "-1"]) == 2
+    assert bench.main(["--skip-train", "--time-repeats", "0"]) == 2  # nothing to do

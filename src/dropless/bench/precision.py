@@ -64,7 +64,7 @@ COLUMNS = ["precision", "val_loss", "rel_to_bf16", "step_ms", "step_ms_rel_to_bf
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dropless bench precision",
                                 description="Train the preset once per expert precision; compare val loss "
-                                            "and step time with bf16 (runs are back to back, not interleaved).")
+                                            "and step time with bf16 (training runs back to back; step times interleaved).")
     p.add_argument("--config", default="tiny", help="preset name or TOML file (default: tiny)")
     p.add_argument("--steps", type=int, default=None, help="training steps (default: the preset's); "
                    "warmup_steps, eval_every, ckpt_every are scaled to match")
@@ -184,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--precisions {args.precisions!r}: choose from {', '.join(PRECISIONS)}")
         if args.steps is not None and args.steps < 1:
             raise ValueError(f"--steps {args.steps}: must be a positive integer")
-        if args.time_repeats < 0:
-            raise ValueError(f"--time-repeats {args.time_repeats}: must be >= 0")
+        if args.time_repeats < 0 or (args.skip_train and args.time_repeats == 0):
+            raise ValueError(f"--time-repeats {args.time_repeats}: must be >= 0 (> 0 with --skip-train)")
         preset = preset_path(args.config)
         configs = build_configs(preset, precisions, args.steps, args.overrides)
     except (ValueError, FileNotFoundError) as err:
