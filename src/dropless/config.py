@@ -242,7 +242,7 @@ class ParallelConfig:
 SCHEDULES = ("cosine", "wsd", "constant")
 TOKENIZERS = ("byte", "hf")
 DTYPES = ("bf16", "fp32")
-OPTIMIZERS = ("adamw",)
+OPTIMIZERS = ("adamw", "adamw_bf16")
 
 
 @dataclass
@@ -288,7 +288,7 @@ class TrainConfig:
     batch_size: int = 16  # sequences per micro-batch
     seq_len: int = 256
     grad_accum: int = 1  # micro-batches per optimizer step
-    optimizer: str = "adamw"
+    optimizer: str = "adamw"  # "adamw_bf16": moments stored in bf16 (train/optim_lowp.py)
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50

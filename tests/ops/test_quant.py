@@ -21,7 +21,7 @@ from dropless.ops._fp_formats import (
     pack_fp4,
     unpack_fp4,
 )
-from dropless.ops.quant import FORMATS, QTensor, dequantize, fake_quantize, quantize
+from dropless.ops.quant import FORMATS, QTensor, dequantize, fake_quantize, fake_quantize_fp32, quantize
 
 ROW_FORMATS = [f for f in FORMATS if f != "fp8_blockwise_weight"]  # blocked along one dim
 NAN = float("nan")
@@ -325,3 +325,39 @@ def test_errors_name_the_value() -> None:
         quantize(x, "mxfp4", dim=2)
     with pytest.raises(ValueError, match="int64"):
         quantize(torch.ones(4, 64, dtype=torch.int64), "mxfp4")
+
+
+def _awkward(shape: tuple[int, int], seed: int) -> torch.Tensor:
+    """Values that exercise every branch of a block quantiser: a wide dynamic range (subnormal scales,
+    saturation), exact E2M1 grid points and midpoints (ties to even), signed zeros, all-zero blocks,
+    and non-finite blocks."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape, generator=g) * 4)
+    x[8:16] = 0.25 * torch.randint(-24, 25, (8, shape[1]), generator=g)  # 0.25 steps: grid + midpoints
+    x[200:] = 0.0
+    x[201, 3] = -0.0
+    x[0, 1], x[5, 130], x[130, 7] = NAN, INF, -INF
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [0, -1])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_fake_quantize_fp32_is_bit_exact(fmt: str, dim: int, dtype: torch.dtype) -> None:
+    # The emulation's fast path against the specification, bit for bit (NaNs compared by position,
+    # zeros by sign). dim=0 is the wgrad direction, cut in place rather than transposed.
+    x = _awkward((256, 384), seed=0).to(dtype)
+    got = fake_quantize_fp32(x, fmt, dim)
+    ref = dequantize(quantize(x, fmt, dim), torch.float32)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    assert torch.equal(got.isnan(), ref.isnan())
+    assert torch.equal(got.nan_to_num(0.0), ref.nan_to_num(0.0))
+    assert torch.equal(torch.signbit(got), torch.signbit(ref))
+
+
+def test_fake_quantize_fp32_middle_dim_and_empty() -> None:
+    w = _awkward((256, 384), seed=1).reshape(2, 128, 384)  # blocks along dim 1 of a 3-d tensor
+    for fmt in ROW_FORMATS:
+        assert torch.equal(fake_quantize_fp32(w, fmt, 1).nan_to_num(0.0),
+                           dequantize(quantize(w, fmt, 1)).nan_to_num(0.0))
+        assert fake_quantize_fp32(torch.zeros(0, 256), fmt).shape == (0, 256)

@@ -244,3 +244,56 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 def fake_quantize(x: torch.Tensor, fmt: str, dim: int = -1) -> torch.Tensor:
     """dequantize(quantize(x)) in x's dtype: the numbers a low-precision GEMM would see, anywhere."""
     return dequantize(quantize(x, fmt, dim), dtype=x.dtype)
+
+
+def fake_quantize_fp32(x: torch.Tensor, fmt: str, dim: int = -1) -> torch.Tensor:
+    """`dequantize(quantize(x, fmt, dim))` in fp32, bit for bit, computed without the bytes.
+
+    The training emulation's hot path (ops.quant_gemm): it skips what only storage needs (E8M0 and
+    E2M1 codes, fp4 packing, moving `dim` last) and the full-size passes that find and zero
+    non-finite blocks. Exactness rests on four facts:
+    * blocks are cut in place, `dim` split into (n, block), so no transposed copy is made;
+    * `amax` propagates NaN and Inf, so a non-finite block is found from its (small) amax alone and
+      gets a NaN scale, which turns the whole block to NaN as `dequantize` of a NaN scale does;
+    * dividing by a safe scale (1 where the scale is 0 or NaN) equals the reference's
+      `where(scale > 0, x / scale, x)`;
+    * E2M1 round-to-nearest-even is rounding |x| / step with step 0.5 below 2, 1 below 4, 2 above
+      (the grid 0, .5, 1, 1.5, 2, 3, 4, 6), and the even multiple of the step is the even code.
+    `fake_quantize` stays the reference; tests/ops/test_quant.py compares the two bit for bit.
+    """
+    dim = _check(x, fmt, dim)
+    if fmt == "fp8_blockwise_weight":  # weights are small next to the rows: no fast path needed
+        return dequantize(_quantize_weight(x), torch.float32)
+    elem, block = FORMATS[fmt]
+    shape = x.shape
+    x_blk = x.float().reshape(*shape[:dim], shape[dim] // block, block, *shape[dim + 1:])
+    bdim = dim + 1  # the dim inside one block
+    amax = x_blk.abs().amax(dim=bdim, keepdim=True)  # NaN/Inf propagate: the block is non-finite
+    bad = ~torch.isfinite(amax)
+    amax = torch.where(bad, 0.0, amax)
+    nan = float("nan")
+
+    if fmt.startswith("mx"):
+        exp = e8m0_exponent_for(amax, EMAX_ELEM[elem])
+        scaled = x_blk * pow2(-exp)
+        scale = torch.where(bad, nan, pow2(exp))
+        return (_round_elements(scaled, elem) * scale).reshape(shape)
+    if fmt == "nvfp4":
+        amax_t = amax.max() if amax.numel() else amax.new_zeros(())
+        global_scale = torch.where(amax_t > 0, amax_t / _NVFP4_TENSOR_DIVISOR, 1.0)
+        scale = cast_e4m3(torch.where(bad, nan, amax / E2M1_MAX / global_scale)).float()
+        denom = scale * global_scale
+        scaled = x_blk / torch.where(denom > 0, denom, 1.0)
+        return (_round_elements(scaled, elem) * scale * global_scale).reshape(shape)
+    scale = torch.where(bad, nan, amax / E4M3_MAX)  # fp8_blockwise_act
+    scaled = x_blk / torch.where(scale > 0, scale, 1.0)
+    return (_round_elements(scaled, elem) * scale).reshape(shape)
+
+
+def _round_elements(scaled: torch.Tensor, elem: str) -> torch.Tensor:
+    """fp32 values already divided by their scale -> the element format's value, as fp32."""
+    if elem != "e2m1":
+        return _cast_elements(scaled, elem).float()
+    mag = scaled.abs().clamp(max=E2M1_MAX)
+    step = torch.where(mag < 2, 0.5, torch.where(mag < 4, 1.0, 2.0))
+    return torch.copysign(torch.round(mag / step) * step, scaled)  # exact: step is a power of two

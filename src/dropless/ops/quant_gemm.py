@@ -54,13 +54,17 @@ Recipes (`RECIPES`; the formats are `ops.quant`'s):
   algebra; the parity test checks the encoding we do use.
 * mxfp4 is E2M1 with E8M0 scales, blocks of 32 everywhere (gpt-oss stores its experts so).
 
-Emulation. On every device the product is computed as `dequantize(quantize(.))` to fp32, then a
-plain fp32 matmul per expert (the grouped-GEMM loop of `grouped_mm_reference`): the numbers a real
-block-scaled kernel multiplies, accumulated in fp32, equal up to the summation order. The output and
-gradients are cast back to the input dtypes (a real kernel writes bf16). The loop reads the offsets on
-the host (one sync per GEMM) and the fake-quantised copies cost memory and time: this path is for
-numerics, never for speed. A guarded `torch._scaled_grouped_mm` path for CUDA is phase 2 work; no speed
-is claimed here.
+Emulation. On every device the product is computed as `dequantize(quantize(.))` to fp32 (by
+`quant.fake_quantize_fp32`, the same bits without building the bytes), then a plain fp32 matmul per
+expert (the grouped-GEMM loop of `grouped_mm_reference`): the numbers a real block-scaled kernel
+multiplies, accumulated in fp32, equal up to the summation order. The output and gradients are cast
+back to the input dtypes (a real kernel writes bf16). Row operands are quantised in one call over the
+grouped region [0, end) for every dim, wgrad's token dim included: the plan's alignment makes each
+token block lie inside one expert, so the blocks are cut in place with no per-expert slicing (NVFP4
+alone loops, for its per-expert tensor scale). The loop reads the offsets on the host (one sync per
+GEMM); on CPU that costs microseconds, and the time goes to the elementwise passes of quantisation
+and to fp32 matmuls. This path is for numerics, never for speed. A guarded `torch._scaled_grouped_mm`
+path for CUDA is future work; no speed is claimed here.
 """
 
 from __future__ import annotations
@@ -70,7 +74,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .quant import FORMATS, dequantize, quantize
+from .quant import FORMATS, fake_quantize_fp32
 
 
 @dataclass(frozen=True)
@@ -117,8 +121,8 @@ def check_widths(precision: str, d: int, f: int) -> None:
 
 
 def _fq(x: torch.Tensor, fmt: str, dim: int) -> torch.Tensor:
-    """The fp32 numbers a block-scaled GEMM multiplies: dequantize(quantize(x))."""
-    return dequantize(quantize(x, fmt, dim), torch.float32)
+    """The fp32 numbers a block-scaled GEMM multiplies: dequantize(quantize(x)), bit for bit."""
+    return fake_quantize_fp32(x, fmt, dim)
 
 
 def _has_tensor_scale(fmt: str) -> bool:
@@ -134,17 +138,13 @@ def _fq_weight(w_EDF: torch.Tensor, fmt: str, dim: int) -> torch.Tensor:
 
 def _fq_rows(x_RD: torch.Tensor, fmt: str, dim: int, ends: list[int]) -> torch.Tensor:
     """Fake-quantise the grouped rows [0, ends[-1]) to fp32, per expert segment; rows past the last
-    group (the plan's static slack) become zeros. Without a tensor scale, one call over the whole
+    group (the plan's static slack) are left out. Without a tensor scale, one call over the whole
     region gives the per-segment bits, because the offsets are block-aligned and scales block-local."""
     end = ends[-1] if ends else 0
-    out = x_RD.new_zeros(x_RD.shape, dtype=torch.float32)
     if _has_tensor_scale(fmt):
-        for s, e in zip([0] + ends[:-1], ends):
-            if e > s:
-                out[s:e] = _fq(x_RD[s:e], fmt, dim)
-    elif end:
-        out[:end] = _fq(x_RD[:end], fmt, dim)
-    return out
+        parts = [_fq(x_RD[s:e], fmt, dim) for s, e in zip([0] + ends[:-1], ends) if e > s]
+        return torch.cat(parts) if parts else x_RD.new_zeros((0, x_RD.shape[1]), dtype=torch.float32)
+    return _fq(x_RD[:end], fmt, dim)
 
 
 def _check_offsets(ends: list[int], block: int, precision: str, num_rows: int) -> None:
@@ -157,9 +157,13 @@ def _check_offsets(ends: list[int], block: int, precision: str, num_rows: int) -
         raise ValueError(f"offsets_E ends at {ends[-1]} but x_RD has only {num_rows} rows")
 
 
-def _loop_mm(a_RX: torch.Tensor, b_EXY: torch.Tensor, ends: list[int]) -> torch.Tensor:
-    """y[s:e] = a[s:e] @ b[i] for each group; slack rows zero. The grouped_mm_reference loop, fp32."""
-    y = a_RX.new_zeros(a_RX.shape[0], b_EXY.shape[-1])
+def _loop_mm(a_RX: torch.Tensor, b_EXY: torch.Tensor, ends: list[int], num_rows: int | None = None
+             ) -> torch.Tensor:
+    """y[s:e] = a[s:e] @ b[i] for each group; `num_rows` rows (default: a's), those past the last group
+    zero. The grouped_mm_reference loop, fp32."""
+    end = ends[-1] if ends else 0
+    y = a_RX.new_empty(a_RX.shape[0] if num_rows is None else num_rows, b_EXY.shape[-1])
+    y[end:] = 0  # the groups tile [0, end) exactly, so only the slack needs clearing
     for i, (s, e) in enumerate(zip([0] + ends[:-1], ends)):
         if e > s:
             y[s:e] = a_RX[s:e] @ b_EXY[i]
@@ -174,7 +178,7 @@ class _QuantGroupedMM(torch.autograd.Function):
         ctx.ends, ctx.recipe = ends, r
         xq_RD = _fq_rows(x_RD, r.act, -1, ends)
         wq_EDF = _fq_weight(w_EDF, r.weight, -2)
-        return _loop_mm(xq_RD, wq_EDF, ends).to(x_RD.dtype)
+        return _loop_mm(xq_RD, wq_EDF, ends, x_RD.shape[0]).to(x_RD.dtype)
 
     @staticmethod
     def backward(ctx, dy_RF: torch.Tensor):
@@ -184,7 +188,7 @@ class _QuantGroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dyq_RF = _fq_rows(dy_RF, r.grad, -1, ends)
             wq_EFD = _fq_weight(w_EDF, r.weight, -1).transpose(-1, -2)
-            dx = _loop_mm(dyq_RF, wq_EFD, ends).to(x_RD.dtype)
+            dx = _loop_mm(dyq_RF, wq_EFD, ends, x_RD.shape[0]).to(x_RD.dtype)
         if ctx.needs_input_grad[1]:
             xq_RD = _fq_rows(x_RD, r.act, 0, ends)
             dyq_RF = _fq_rows(dy_RF, r.grad, 0, ends)

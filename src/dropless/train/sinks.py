@@ -102,7 +102,7 @@ class Progress:
 
     def write(self, text: str) -> None:
         if self.bar is not None:
-            self.bar.write(text)
+            self.bar.write(text, file=sys.stderr)  # tqdm.write defaults to stdout
         else:
             print(text, file=sys.stderr, flush=True)
 
