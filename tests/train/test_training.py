@@ -145,3 +145,10 @@ def test_presets_load_and_dense_matches_active_params() -> None:
     d = MoEModel(dense_cfg.model).num_params()["active"]
     # the MoE layers' routers (E x D each) are the only extra active parameters
     assert a - d == tiny_cfg.model.n_moe_layers * tiny_cfg.model.moe.num_experts * tiny_cfg.model.d_model
+
+
+def test_dense_model_trains(tmp_path: Path) -> None:
+    # the `dense` baseline has no MoE layer: routing health has nothing to record, training still runs
+    summary = Trainer(tiny("model.n_dense_layers=2", "train.steps=4"), tmp_path).fit()
+    assert summary["final_val_loss"] < 6.0
+    assert not (tmp_path / "routing.jsonl").exists() or (tmp_path / "routing.jsonl").read_text() == ""

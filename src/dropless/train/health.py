@@ -80,6 +80,8 @@ class TrainHealth:
         self._quantile, self._threshold, self._n_micro = [], [], 0
 
     def add_micro(self, out: ModelOutput) -> None:
+        if not self.layers:  # a dense model (the `dense` baseline): nothing to watch
+            return
         for i, m in enumerate(out.moe):
             self.acc.add(i, m.stats, m.aux_loss)
         if self.cfg.balance.quantile_balance:
@@ -110,6 +112,8 @@ class TrainHealth:
     @torch.no_grad()
     def end_step(self) -> None:
         """After the optimizer step: reduce counts over ranks, apply the buffer rules, close the step."""
+        if not self.layers:
+            return
         self.reduce(self.acc.step_counts_LE, "sum")
         bal = self.cfg.balance
         if bal.bias_update_rate > 0:
