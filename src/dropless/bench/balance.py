@@ -9,7 +9,8 @@ Trains the `tiny` preset once per method, same seed, data and steps, back to bac
     aux_global    Switch aux loss over the global batch (0.01)
     bias          loss-free expert bias, sign rule, u = 1e-3
     quantile      quantile balancing: the bias set each step from the score distribution
-Reports final validation loss, global and local MaxVio (worst layer, averaged over the last 20 logged
+Each step is 4 micro-batches of 4 sequences (the preset's 16 sequences per step), so micro-batch and
+global batch differ. Reports final validation loss, global and local MaxVio (worst layer, averaged over the last 20 logged
 steps; log_every is forced to 1 so that is the last 20 steps) and the median step time.
 """
 
@@ -39,8 +40,11 @@ METHODS: dict[str, list[str]] = {
 
 
 def scaled_schedule(steps: int) -> list[str]:
-    """Warm-up, evaluation and checkpoints scaled to a shortened run."""
-    return [f"train.steps={steps}", f"train.warmup_steps={max(1, steps // 12)}",
+    """Warm-up, evaluation and checkpoints scaled to a shortened run. The preset's 16 sequences per
+    step are taken as 4 micro-batches of 4, so that a micro-batch (local MaxVio, the micro-batch aux
+    loss) differs from the global batch (global MaxVio, the global aux loss), as in real training."""
+    return ["train.batch_size=4", "train.grad_accum=4",
+            f"train.steps={steps}", f"train.warmup_steps={max(1, steps // 12)}",
             f"train.eval_every={steps}", f"train.ckpt_every={steps}", "log.log_every=1",
             "log.progress=false", "log.plots=false", "log.tensorboard=false"]
 
