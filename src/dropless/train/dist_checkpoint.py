@@ -23,6 +23,8 @@ numbers on the device path; batches are a function of (seed, step, micro-step)).
 
 from __future__ import annotations
 
+import warnings
+
 from pathlib import Path
 from typing import Any
 
@@ -115,7 +117,10 @@ def load_full_model(path: Path, model: torch.nn.Module) -> dict[str, Any]:
     """One process, no process group: fill a one-device `model` (all E experts) from a distributed
     checkpoint; returns the trainer state (its "config" builds the model)."""
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    with warnings.catch_warnings():
+        # no_dist=True is the intent here: DCP still warns that no process group exists
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
     model.load_state_dict(state["model"])
     return trainer_state(path)
 
