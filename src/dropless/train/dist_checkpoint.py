@@ -24,7 +24,6 @@ numbers on the device path; batches are a function of (seed, step, micro-step)).
 from __future__ import annotations
 
 import warnings
-
 from pathlib import Path
 from typing import Any
 
