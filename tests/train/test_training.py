@@ -49,22 +49,27 @@ def test_smoke_loss_falls(tmp_path: Path) -> None:
     assert all(layer["dropped"] == 0 for r in routing for layer in r["layers"])
 
 
+def crash_at(trainer: Trainer, crash_step: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run `trainer` until it dies at `crash_step` (before that step's update), like a killed job."""
+    real_step = trainer.train_step
+
+    def crashing(step: int, *args):
+        if step == crash_step:
+            raise KeyboardInterrupt("simulated crash")
+        return real_step(step, *args)
+
+    monkeypatch.setattr(trainer, "train_step", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit()
+
+
 def test_resume_is_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     full = tmp_path / "full"
     Trainer(tiny(), full).fit()
 
     broken = tmp_path / "broken"
     trainer = Trainer(tiny(), broken)
-    real_step = trainer.train_step
-
-    def crash_after_14(step: int, *args):
-        if step == 14:
-            raise KeyboardInterrupt("simulated crash")
-        return real_step(step, *args)
-
-    monkeypatch.setattr(trainer, "train_step", crash_after_14)
-    with pytest.raises(KeyboardInterrupt):
-        trainer.fit()
+    crash_at(trainer, 14, monkeypatch)
     assert ckpt.latest_checkpoint(broken).name == ckpt.checkpoint_name(10)
     Trainer(tiny(), broken, resume=True).fit()
     assert rows(full, "loss") == rows(broken, "loss")  # bit-identical floats, rows 10..13 replaced
@@ -86,16 +91,7 @@ def test_adamw_bf16_trains_and_resumes_exactly(tmp_path: Path, monkeypatch: pyte
 
     broken = tmp_path / "broken"
     trainer = Trainer(tiny("train.optimizer=adamw_bf16"), broken)
-    real_step = trainer.train_step
-
-    def crash_after_14(step: int, *args):
-        if step == 14:
-            raise KeyboardInterrupt("simulated crash")
-        return real_step(step, *args)
-
-    monkeypatch.setattr(trainer, "train_step", crash_after_14)
-    with pytest.raises(KeyboardInterrupt):
-        trainer.fit()
+    crash_at(trainer, 14, monkeypatch)
     Trainer(tiny("train.optimizer=adamw_bf16"), broken, resume=True).fit()
     assert rows(full, "loss") == rows(broken, "loss")
     assert rows(full, "val_loss") == rows(broken, "val_loss")

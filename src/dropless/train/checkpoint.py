@@ -13,7 +13,7 @@ Layout under a run directory:
 Design notes
 - A crash (OOM kill, preemption, full disk) can happen at any byte of a save. The save therefore
   writes everything into a hidden temporary folder, fsyncs the files and the folder, writes the
-  `COMPLETE` marker last, fsyncs again, and only then renames the folder to `step_XXXXXX`. A rename
+  `COMPLETE` marker last, fsyncs again, and only then renames the folder to `step_NNNNNN`. A rename
   within one filesystem is atomic, so a reader sees either no checkpoint or a whole one; fsync before
   the rename stops the kernel from persisting the rename before the data (the classic
   zero-length-file-after-power-loss). The `latest` pointer is replaced the same way (tmp + os.replace).
@@ -119,7 +119,7 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 def save_checkpoint(
     run_dir: str | Path, step: int, state: dict[str, Any], *, keep_last: int | None = None
 ) -> Path:
-    """Atomically write `state` as run_dir/checkpoints/step_XXXXXX; return that folder.
+    """Atomically write `state` as run_dir/checkpoints/step_NNNNNN; return that folder.
 
     keep_last: after a successful save, delete all but the newest `keep_last` complete checkpoints.
     """
