@@ -186,3 +186,14 @@ def test_flip_rates() -> None:
     with torch.no_grad():
         router.weight[1] = torch.tensor([0.0, 1, 0, 0])  # expert 1 far behind: no flip
     assert float(stats.bf16_flip_rate(router, x)) == 0.0
+
+
+def test_balance_alarms_wait_for_warmup_but_drops_do_not() -> None:
+    from dropless.monitor.alarms import AlarmThresholds, HealthMonitor
+
+    row = {"counts": [100, 0, 0, 0], "maxvio_global": 3.0, "top_k": 1, "dropped": 5}
+    early = HealthMonitor(echo=False, thresholds=AlarmThresholds(warmup_steps=50))
+    kinds = {a.kind for a in early.check({"step": 9, "layers": [row]})}
+    assert kinds == {"dropped"}  # a collapse at step 9 of warm-up is a transient; a drop never is
+    kinds = {a.kind for a in early.check({"step": 60, "layers": [row]})}
+    assert "collapse" in kinds

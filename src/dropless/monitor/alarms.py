@@ -54,10 +54,13 @@ ADVICE = {
     "dropped": ("pairs dropped: a capacity factor is set or a buffer is too small",
                 "use the dropless path (moe.capacity_factor=None)"),
     "overflow": ("EP receive buffer overflow: routing demand exceeded ragged_buffer_factor",
-                 "raise the buffer factor or enable retry_when_tokens_dropped"),
+                 "raise parallel.ragged_buffer_factor or set parallel.retry_on_overflow=true"),
     "bf16_flips": ("the router runs close to ties: a bf16 router would flip expert choices",
                    "keep the router in fp32 (the default); a z-loss keeps logits from growing"),
 }
+
+
+BALANCE_KINDS = frozenset({"collapse", "dead_expert", "aux_blind", "bias_drift"})
 
 
 @dataclass
@@ -72,6 +75,10 @@ class AlarmThresholds:
     bias_abs_max: float = 1.0
     drift_window: int = 3
     flip_bf16: float = 0.1
+    # Balance alarms (collapse, dead expert, aux_blind, bias drift) stay quiet before this step: routing
+    # from a freshly initialised router swings hard during the learning-rate warm-up and settles after.
+    # Correctness alarms (drops, overflow, rogue or dying experts, bf16 flips) are never held back.
+    warmup_steps: int = 0
 
 
 @dataclass
@@ -112,6 +119,8 @@ class HealthMonitor:
     def check(self, record: dict) -> list[Alarm]:
         step = int(record["step"])
         fired = [a for i, row in enumerate(record["layers"]) for a in self._rules(i, step, row)]
+        if step < self.thresholds.warmup_steps:
+            fired = [a for a in fired if a.kind not in BALANCE_KINDS]
         new = []
         for a in fired:
             key = (a.layer, a.kind)

@@ -29,7 +29,7 @@ from ..layers import balance
 from ..layers.moe import MoELayer
 from ..model import MoEModel, ModelOutput
 from ..monitor import stats as mstats
-from ..monitor.alarms import HealthMonitor
+from ..monitor.alarms import AlarmThresholds, HealthMonitor
 
 AllReduce = Callable[[torch.Tensor, str], None]  # (tensor, "sum" | "max"), in place
 
@@ -40,7 +40,8 @@ def _no_reduce(t: torch.Tensor, op: str) -> None:
 
 class TrainHealth:
     def __init__(self, model: MoEModel, run_dir: Path, probe_BS: torch.Tensor,
-                 all_reduce: AllReduce | None = None, echo: bool = True, write: bool = True) -> None:
+                 all_reduce: AllReduce | None = None, echo: bool = True, write: bool = True,
+                 alarm_warmup: int = 0) -> None:
         self.model = model
         self.layers: list[MoELayer] = model.moe_layers()
         moe = model.cfg.moe
@@ -49,7 +50,8 @@ class TrainHealth:
         dev = model.embed.weight.device
         self.acc = mstats.StepAccumulator(len(self.layers), moe.num_experts, moe.top_k, dev)
         self.write = write
-        self.monitor = HealthMonitor(run_dir if write else None, echo=echo and write)
+        self.monitor = HealthMonitor(run_dir if write else None, echo=echo and write,
+                                     thresholds=AlarmThresholds(warmup_steps=alarm_warmup))
         self.probe_BS = probe_BS
         self.prev_probe_ids: list[torch.Tensor | None] = [None] * len(self.layers)
         self._quantile: list[torch.Tensor] = []

@@ -106,7 +106,8 @@ class Trainer:
                 log.truncate_from(0)
         probe = next(iter(eval_batches(self.val_tokens, min(4, t.batch_size), t.seq_len, 1)))[0]
         self.health = TrainHealth(self.model, self.run_dir, probe, all_reduce=reduce,
-                                  echo=cfg.log.progress, write=self.is_main)
+                                  echo=cfg.log.progress, write=self.is_main,
+                                  alarm_warmup=t.warmup_steps)
         if resume:
             self.health.restore(self._resume_state.get("health", {}), self.routing.read())
         if self.is_main:
