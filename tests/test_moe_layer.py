@@ -11,6 +11,7 @@ import torch
 from dropless.config import MoEConfig, RouterConfig
 from dropless.layers.mlp import MLP
 from dropless.layers.moe import MoELayer
+from host_sync import forbid_host_sync
 from reference_moe import moe_reference
 from tolerances import DENSE_EQUIV, assert_close
 
@@ -144,20 +145,9 @@ def test_no_host_sync_on_dropless_path() -> None:
     # sync, so patch the host-reading methods to fail while the layer runs.
     layer = build(16, E=5, K=2, f=8, align=4)
     x = torch.randn(20, 16, requires_grad=True)
-    forbidden = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
-    saved = {n: getattr(torch.Tensor, n) for n in forbidden}
-
-    def boom(self, *a, **k):
-        raise AssertionError("host sync inside the layer")
-
-    try:
-        for n in forbidden:
-            setattr(torch.Tensor, n, boom)
+    with forbid_host_sync("host sync inside the layer"):
         out = layer(x)
         (out.y.sum() + out.aux_loss + out.z_loss).backward()
-    finally:
-        for n, f in saved.items():
-            setattr(torch.Tensor, n, f)
     assert x.grad is not None
 
 

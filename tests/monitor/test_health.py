@@ -13,6 +13,7 @@ from dropless.config import MoEConfig, RouterConfig
 from dropless.layers.moe import MoELayer
 from dropless.monitor import stats
 from dropless.monitor.alarms import HealthMonitor
+from host_sync import forbid_host_sync
 from tolerances import assert_close
 
 
@@ -138,21 +139,10 @@ def test_detailed_stats_need_no_host_sync() -> None:
     layer.cfg.align = 4
     layer.detailed_stats = True
     acc = stats.StepAccumulator(1, 5, 2)
-    forbidden = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
-    saved = {n: getattr(torch.Tensor, n) for n in forbidden}
-
-    def boom(self, *a, **k):
-        raise AssertionError("host sync")
-
-    try:
-        for n in forbidden:
-            setattr(torch.Tensor, n, boom)
+    with forbid_host_sync():
         out = layer(torch.randn(20, 16))
         acc.add(0, out.stats, out.aux_loss)
         acc.end_step()
-    finally:
-        for n, f in saved.items():
-            setattr(torch.Tensor, n, f)
     assert acc.record(0)["layers"][0]["rms_max_over_median"] is not None
 
 
