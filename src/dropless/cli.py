@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from . import cpu_alloc
+
 COMMANDS = {
     "train": ("dropless.train.run", "train a model (see --help)"),
     "generate": ("dropless.train.generate", "sample text from a trained run"),
@@ -36,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         print(usage())
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
+    cpu_alloc.keep_freed_memory()  # before the first large tensor: see cpu_alloc.py
     if cmd == "bench":
         if not rest or rest[0] not in BENCHMARKS:
             print(f"dropless bench: choose one of {', '.join(BENCHMARKS)}", file=sys.stderr)

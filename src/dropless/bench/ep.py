@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..cpu_alloc import keep_freed_memory
 from ..distributed.ep import EPDispatcher, link_capacity
 from .timing import format_table, interleaved
 
@@ -73,6 +74,7 @@ def _raw_fn(x_TD: torch.Tensor, ids_TK: torch.Tensor, disp: EPDispatcher, factor
 
 
 def _worker(rank: int, args: argparse.Namespace, store: str, out_path: str) -> None:
+    keep_freed_memory()  # spawned: the parent's mallopt does not carry over (its environment does)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=args.nproc)
     gen = torch.Generator().manual_seed(rank)

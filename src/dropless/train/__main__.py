@@ -6,6 +6,9 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from ..cpu_alloc import keep_freed_memory
 from .run import main
+
+keep_freed_memory()
 
 sys.exit(record(main)())
