@@ -124,6 +124,16 @@ def _check_comm(rank: int, world: int) -> None:
     assert torch.equal(x.grad, x.detach()), starts
     z = comm.all_to_all_fixed(torch.full((2 * world, 3), float(rank)), None)
     assert torch.equal(z[:, 0], torch.arange(world).repeat_interleave(2).float())
+    # zero_row: one zero row appended to the output; its gradient is dropped on the way back
+    x2 = x.detach().clone().requires_grad_(True)
+    y2 = comm.all_to_all(x2[:, None], recv, send, None, zero_row=True)
+    assert y2.shape[0] == sum(recv) + 1 and torch.equal(y2[-1], torch.zeros(1))
+    assert torch.equal(y2[:-1], y.detach())
+    (y2[:, 0] * torch.arange(y2.shape[0], dtype=torch.float32)).sum().backward()
+    assert torch.equal(x2.grad, comm.all_to_all(torch.arange(sum(recv), dtype=torch.float32)[:, None],
+                                                send, recv, None)[:, 0])
+    z2 = comm.all_to_all_fixed(torch.full((2 * world, 3), float(rank)), None, zero_row=True)
+    assert z2.shape == (2 * world + 1, 3) and torch.equal(z2[-1], torch.zeros(3))
 
 
 def _worker(rank: int, world: int) -> None:

@@ -46,8 +46,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _raw_fn(x_TD: torch.Tensor, ids_TK: torch.Tensor, disp: EPDispatcher, factor: float) -> Callable[[], None]:
-    """The same collectives as the dispatcher's, with precomputed splits and buffers."""
+def _raw_fns(x_TD: torch.Tensor, ids_TK: torch.Tensor, disp: EPDispatcher, factor: float
+             ) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The dispatcher's collectives with precomputed splits and buffers and no local work between
+    them: (all of them: the count exchange with its host read, then the data; the data only)."""
     P, L, T, K, D = disp.ep_size, disp.num_local, *ids_TK.shape, x_TD.shape[1]
     g = disp.group
     hits_TP = torch.zeros(T, P, dtype=torch.int64).index_put_(
@@ -64,13 +66,21 @@ def _raw_fn(x_TD: torch.Tensor, ids_TK: torch.Tensor, disp: EPDispatcher, factor
         pairs_s = pairs_r = [C] * P
     bufs = [x_TD.new_empty(sum(rows_s), D), x_TD.new_empty(sum(rows_r), D),
             torch.empty(sum(pairs_s), 2), torch.empty(sum(pairs_r), 2)]
+    counts = [torch.zeros(P * (L + 1), dtype=torch.int64), torch.empty(P * (L + 1), dtype=torch.int64)]
 
-    def run() -> None:
+    def data() -> None:
         dist.all_to_all_single(bufs[1], bufs[0], rows_r, rows_s, group=g)
         if disp.dedup:
             dist.all_to_all_single(bufs[3], bufs[2], pairs_r, pairs_s, group=g)
         dist.all_to_all_single(bufs[0], bufs[1], rows_s, rows_r, group=g)
-    return run
+
+    def everything() -> None:
+        # the dispatcher's first step: [pairs per local expert, rows] to every rank, fixed size
+        dist.all_to_all_single(counts[1], counts[0], group=g)
+        if disp.mode == "exact":
+            counts[1].tolist()  # exact mode reads the split sizes on the host
+        data()
+    return everything, data
 
 
 def _worker(rank: int, args: argparse.Namespace, store: str, out_path: str) -> None:
@@ -99,15 +109,18 @@ def _worker(rank: int, args: argparse.Namespace, store: str, out_path: str) -> N
             dist.all_reduce(totals, group=None)
             stats[name] = dict(zip(("bytes_sent", "bytes_sent_without_dedup", "overflow"), totals.tolist()))
             fns[f"{name}/ep"] = ep_fn
-            fns[f"{name}/raw"] = _raw_fn(x_TD, ids_TK, disp, args.factor)
+            fns[f"{name}/raw"], fns[f"{name}/raw_data"] = _raw_fns(x_TD, ids_TK, disp, args.factor)
     with torch.no_grad():
-        ms = interleaved(fns, args.repeats, args.warmup)
+        ms = interleaved(fns, args.repeats, args.warmup, before=dist.barrier)
     slowest = torch.tensor([ms[k] for k in fns], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     ms = dict(zip(fns, slowest.tolist()))
     if rank == 0:
         result = {name: dict(dispatch_combine_ms=ms[f"{name}/ep"], raw_all_to_all_ms=ms[f"{name}/raw"],
-                             ratio=ms[f"{name}/ep"] / ms[f"{name}/raw"], **stats[name]) for name in stats}
+                             raw_data_all_to_all_ms=ms[f"{name}/raw_data"],
+                             ratio=ms[f"{name}/ep"] / ms[f"{name}/raw"],
+                             ratio_data_only=ms[f"{name}/ep"] / ms[f"{name}/raw_data"], **stats[name])
+                  for name in stats}
         with open(out_path, "w") as fh:
             json.dump(result, fh)
     dist.destroy_process_group()
@@ -128,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [dict(variant=name, **v, dedup_saving=1 - v["bytes_sent"] / v["bytes_sent_without_dedup"])
             for name, v in modes.items()]
     print(f"dropless bench ep: {config}")
-    print(format_table(rows, ["variant", "dispatch_combine_ms", "raw_all_to_all_ms", "ratio", "bytes_sent",
+    print(format_table(rows, ["variant", "dispatch_combine_ms", "raw_all_to_all_ms", "ratio",
+                              "raw_data_all_to_all_ms", "ratio_data_only", "bytes_sent",
                               "bytes_sent_without_dedup", "dedup_saving", "overflow"]))
     if args.json:
         with open(args.json, "w") as fh:

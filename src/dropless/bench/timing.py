@@ -27,15 +27,19 @@ def time_once(fn: Callable[[], object], device: torch.device | str = "cpu") -> f
 
 
 def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int,
-                device: torch.device | str = "cpu", progress: Callable[[int], None] | None = None
-                ) -> dict[str, float]:
-    """Median milliseconds per named function, timed round-robin."""
+                device: torch.device | str = "cpu", progress: Callable[[int], None] | None = None,
+                before: Callable[[], object] | None = None) -> dict[str, float]:
+    """Median milliseconds per named function, timed round-robin. `before` runs untimed ahead of
+    every timed call (the EP bench passes a barrier, so that every rank starts each call together
+    and no call is charged for the previous one's stragglers)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for rep in range(repeats):
         for name, fn in fns.items():
+            if before is not None:
+                before()
             samples[name].append(time_once(fn, device))
         if progress is not None:
             progress(rep)

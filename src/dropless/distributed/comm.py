@@ -26,11 +26,13 @@ from torch.distributed import ProcessGroup
 
 
 def _exchange(x: torch.Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None,
-              group: ProcessGroup | None) -> torch.Tensor:
+              group: ProcessGroup | None, zero_row: bool = False) -> torch.Tensor:
     x = x.contiguous()
     rows = sum(out_splits) if out_splits is not None else x.shape[0]
-    out = x.new_empty((rows, *x.shape[1:]))
-    dist.all_to_all_single(out, x, output_split_sizes=None if out_splits is None else list(out_splits),
+    out = x.new_empty((rows + zero_row, *x.shape[1:]))
+    if zero_row:
+        out[rows:].zero_()
+    dist.all_to_all_single(out[:rows], x, output_split_sizes=None if out_splits is None else list(out_splits),
                            input_split_sizes=None if in_splits is None else list(in_splits), group=group)
     return out
 
@@ -38,26 +40,29 @@ def _exchange(x: torch.Tensor, out_splits: Sequence[int] | None, in_splits: Sequ
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None,
-                group: ProcessGroup | None) -> torch.Tensor:
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        return _exchange(x, out_splits, in_splits, group)
+                group: ProcessGroup | None, zero_row: bool) -> torch.Tensor:
+        ctx.splits, ctx.group, ctx.zero_row = (out_splits, in_splits), group, zero_row
+        return _exchange(x, out_splits, in_splits, group, zero_row)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out_splits, in_splits = ctx.splits
-        return _exchange(grad, in_splits, out_splits, ctx.group), None, None, None
+        if ctx.zero_row:
+            grad = grad[:-1]
+        return _exchange(grad, in_splits, out_splits, ctx.group), None, None, None, None
 
 
 def all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
-               group: ProcessGroup | None) -> torch.Tensor:
+               group: ProcessGroup | None, zero_row: bool = False) -> torch.Tensor:
     """Send rows `x[sum(in_splits[:i]) : sum(in_splits[:i+1])]` to rank i; receive `out_splits[j]`
-    rows from rank j, concatenated in rank order. Differentiable."""
-    return _AllToAll.apply(x, tuple(out_splits), tuple(in_splits), group)
+    rows from rank j, concatenated in rank order. Differentiable. `zero_row` appends one zero row
+    to the output (allocated with it, so a gather can point unused slots there without a copy)."""
+    return _AllToAll.apply(x, tuple(out_splits), tuple(in_splits), group, zero_row)
 
 
-def all_to_all_fixed(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+def all_to_all_fixed(x: torch.Tensor, group: ProcessGroup | None, zero_row: bool = False) -> torch.Tensor:
     """Equal splits: x has P blocks of N/P rows, block i goes to rank i. Differentiable, sync-free."""
     world = dist.get_world_size(group)
     if x.shape[0] % world:
         raise ValueError(f"all_to_all_fixed: {x.shape[0]} rows do not split evenly over {world} ranks")
-    return _AllToAll.apply(x, None, None, group)
+    return _AllToAll.apply(x, None, None, group, zero_row)

@@ -86,40 +86,48 @@ def _take(src: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor) -> torch.Te
     return src.index_select(0, torch.where(valid, idx, src.shape[0] - 1))
 
 
-def _segment_sum(x_ND: torch.Tensor, seg_N: torch.Tensor, segments: int, dtype: torch.dtype) -> torch.Tensor:
-    """out[s] = sum of the rows x[n] with seg[n] == s, in row order, accumulated in fp32 and rounded
-    once to `dtype` (as a bf16 bmm would); seg == `segments` marks rows to leave out. Differentiable
-    (the backward is a gather). index_add is sequential on CPU; on GPU its order is not fixed."""
-    out = x_ND.new_zeros((segments + 1, x_ND.shape[1]), dtype=torch.float32)
-    return out.index_add(0, seg_N, x_ND.float())[:segments].to(dtype)
+def _bags(key_N: torch.Tensor, num_bags: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows grouped by key for `embedding_bag`: (row order, bag start offsets) over num_bags + 1 bags,
+    the last one (key == num_bags) collecting the rows to leave out. A stable sort, so each bag sums
+    its rows in row order."""
+    order_N = torch.sort(key_N, stable=True).indices
+    counts = torch.bincount(key_N, minlength=num_bags + 1)
+    return order_N, _excl_cumsum(counts)
 
 
-class _WeightedSegmentSum(torch.autograd.Function):
-    """out[s] = sum over rows n with seg[n] == s of w[n] * y[n], in row order; seg == S leaves a row
-    out. fp32 products and sums (one upcast, multiplied in place), rounded once to y's dtype: the
-    numerics of a bf16 bmm without gathering the rows into a [S, most rows per segment, D] block.
-    A NaN in a left-out row (uninitialised GEMM tail) reaches neither the output nor any gradient."""
+class _BagSum(torch.autograd.Function):
+    """out[s] = sum over rows n with seg[n] == s of w[n] * y[n] (w None: plain sum), in row order;
+    seg == S leaves a row out. One `embedding_bag` over the rows grouped by `_bags`: it multiplies
+    and accumulates in fp32 and rounds once to y's dtype (the numerics of a bf16 bmm), reads each row
+    once and writes only the [S, D] result (no fp32 copy of y, no zero-filled accumulator). The
+    weights are cast to y's dtype first (embedding_bag wants one dtype; the local path's folded
+    weights are cast the same way). Every row belongs to one segment at most, so the backward is a
+    gather, bit-reproducible on every device. A NaN in a left-out row (uninitialised GEMM tail)
+    reaches neither the output nor any gradient."""
 
     @staticmethod
-    def forward(ctx, y_ND: torch.Tensor, w_N: torch.Tensor, seg_N: torch.Tensor, S: int) -> torch.Tensor:
+    def forward(ctx, y_ND: torch.Tensor, w_N: torch.Tensor | None, seg_N: torch.Tensor,
+                bags: tuple[torch.Tensor, torch.Tensor], S: int) -> torch.Tensor:
+        order_N, offsets = bags
+        w_M = None if w_N is None else w_N.to(y_ND.dtype)[order_N]
+        out = torch.nn.functional.embedding_bag(order_N, y_ND, offsets, mode="sum", per_sample_weights=w_M)
         ctx.save_for_backward(y_ND, w_N, seg_N)
         ctx.S = S
-        prod = y_ND.to(torch.float32, copy=True).mul_(w_N.float()[:, None])  # never y in place
-        out = prod.new_zeros((S + 1, y_ND.shape[1])).index_add_(0, seg_N, prod)
-        return out[:S].to(y_ND.dtype)
+        return out[:S]
 
     @staticmethod
     def backward(ctx, grad_SD: torch.Tensor):
         y_ND, w_N, seg_N = ctx.saved_tensors
-        g_ND = torch.cat([grad_SD.float(), grad_SD.new_zeros((1, grad_SD.shape[1]), dtype=torch.float32)]
-                         ).index_select(0, seg_N)
+        g_ND = torch.cat([grad_SD, grad_SD.new_zeros((1, grad_SD.shape[1]))]).index_select(0, seg_N)
+        if w_N is None:
+            return g_ND, None, None, None, None
         grad_y = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_y = (g_ND * w_N.float()[:, None]).to(y_ND.dtype)
+            grad_y = g_ND * w_N.to(g_ND.dtype)[:, None]
         if ctx.needs_input_grad[1]:
-            dot = torch.where(seg_N[:, None] < ctx.S, g_ND * y_ND.float(), 0.0).sum(1)
-            grad_w = dot.to(w_N.dtype)
-        return grad_y, grad_w, None, None
+            # where, not a multiply by a mask: a left-out row's y may be NaN (its g is 0)
+            grad_w = torch.where(seg_N < ctx.S, torch.linalg.vecdot(g_ND, y_ND), 0).to(w_N.dtype)
+        return grad_y, grad_w, None, None, None
 
 
 def _excl_cumsum(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -136,12 +144,14 @@ class EPMeta:
     keep_q: torch.Tensor  # bool [Q]: pair fitted its link (always True in exact mode)
     slot_q: torch.Tensor  # link slot of each pair (no de-dup) in the returned buffer
     token_S: torch.Tensor | None  # de-dup: token of each sent (= returned) row slot; T = empty slot
+    back_bags: tuple[torch.Tensor, torch.Tensor] | None  # de-dup: returned rows grouped by token
     valid_TP: torch.Tensor
     # destination side
     row_n: torch.Tensor  # GEMM buffer row of each received pair slot
     valid_n: torch.Tensor
     src_R: torch.Tensor | None  # de-dup: received row of each GEMM row; B = none (padding)
     w_R: torch.Tensor | None  # de-dup: routing weight of each GEMM row (differentiable; 0 on padding)
+    presum_bags: tuple[torch.Tensor, torch.Tensor] | None  # de-dup: GEMM rows grouped by received row
     rows_recv: int  # de-dup: B, received token rows
     # the return trip: splits (exact) or None (buffered, fixed)
     splits_back: tuple[tuple[int, ...], tuple[int, ...]] | None
@@ -273,12 +283,12 @@ class EPDispatcher:
                 pair_of_slot[torch.where(keep_q, rank_q * C + j_q, Pn * C)] = torch.arange(Q, device=dev)
                 pair_of_slot = pair_of_slot[:-1]
                 meta_send = _take(meta_q2, pair_of_slot, pair_of_slot < Q)
-                x_recv = comm.all_to_all_fixed(x_send, self.group)
+                x_recv = comm.all_to_all_fixed(x_send, self.group, zero_row=True)
                 meta_recv = comm.all_to_all_fixed(meta_send, self.group)
             else:
                 token_S = token_of_sorted[:sum(send_rows)]
                 x_send = x_TD.index_select(0, token_S)
-                x_recv = comm.all_to_all(x_send, recv_rows, send_rows, self.group)
+                x_recv = comm.all_to_all(x_send, recv_rows, send_rows, self.group, zero_row=True)
                 meta_recv = comm.all_to_all(meta_q2, recv_pairs, send_pairs, self.group)
             w_n = meta_recv[:, 0]
             rowidx_n = meta_recv[:, 1].detach().contiguous().view(torch.int32).long()
@@ -291,10 +301,10 @@ class EPDispatcher:
                 r, i = slot // max(C, 1), slot % max(C, 1)
                 # kept pairs are a prefix of each link block without de-dup
                 x_send = _take(x_PD, (_excl_cumsum(pairs_P)[r] + i).clamp(max=max(Q - 1, 0)), i < kept_P[r])
-                x_recv = comm.all_to_all_fixed(x_send, self.group)
+                x_recv = comm.all_to_all_fixed(x_send, self.group, zero_row=True)
                 bytes_sent = torch.tensor(Pn * C * D * es, device=dev)
             else:
-                x_recv = comm.all_to_all(x_PD, recv_pairs, send_pairs, self.group)
+                x_recv = comm.all_to_all(x_PD, recv_pairs, send_pairs, self.group, zero_row=True)
                 bytes_sent = kept_P.sum() * D * es
         bytes_plain = torch.tensor(Pn * C * D * es, device=dev) if buffered else pairs_P.sum() * D * es
 
@@ -329,16 +339,18 @@ class EPDispatcher:
             recvrow_n = row_base_S[s_n] + rowidx_n
             src_R = torch.where(pair_of_R < n_slots, recvrow_n[pair_of_R.clamp(max=max(n_slots - 1, 0))]
                                 if n_slots else pair_of_R, n_rows_recv)
-            x_RD = _take(x_recv, src_R, src_R < n_rows_recv)
+            x_RD = x_recv.index_select(0, src_R)  # B is the zero row the all-to-all appended
             w_R = _take(w_n, pair_of_R, pair_of_R < n_slots)
+            presum_bags = _bags(src_R, n_rows_recv)
+            back_bags = _bags(token_S, T)
         else:
-            x_RD = _take(x_recv, pair_of_R, pair_of_R < n_slots)
-            src_R = w_R = None
+            x_RD = x_recv.index_select(0, pair_of_R)  # n_slots: the appended zero row
+            src_R = w_R = presum_bags = back_bags = None
         offsets_L = torch.cumsum(padded_L, 0).to(torch.int32)
 
         slot_q = rank_q * C + j_q if buffered else torch.arange(Q, device=dev)
-        meta = EPMeta(plan, weights_TK, keep_q, slot_q, token_S, fits_TP, row_n, valid_n, src_R,
-                      w_R, n_rows_recv, splits_back, overflow, bytes_sent, bytes_plain,
+        meta = EPMeta(plan, weights_TK, keep_q, slot_q, token_S, back_bags, fits_TP, row_n, valid_n, src_R,
+                      w_R, presum_bags, n_rows_recv, splits_back, overflow, bytes_sent, bytes_plain,
                       pairs_P.max() if Q else torch.zeros((), dtype=torch.int64, device=dev))
         return ExpertBatch(x_RD, offsets_L), meta
 
@@ -349,9 +361,14 @@ class EPDispatcher:
         if self.dedup:
             # Pre-sum: weight every GEMM row, add it into its received row (padding rows go to row B,
             # cut off; their weight is 0, and a NaN in an unused row lands there too).
-            y_send = _WeightedSegmentSum.apply(y_RD, meta.w_R, meta.src_R, meta.rows_recv)
+            y_send = _BagSum.apply(y_RD, meta.w_R, meta.src_R, meta.presum_bags, meta.rows_recv)
+        elif buffered:
+            # back to received order, one row per pair slot. An empty slot reads row 0 (possibly an
+            # uninitialised GEMM row): its value travels back but the source never reads it
+            # (keep_q), and the zero gradient it gets back adds nothing.
+            y_send = y_RD.index_select(0, torch.where(meta.valid_n, meta.row_n, 0))
         else:
-            y_send = _take(y_RD, meta.row_n, meta.valid_n)  # back to received order: one row per pair slot
+            y_send = y_RD.index_select(0, meta.row_n)  # exact mode: every slot holds a pair
         if buffered:
             y_back = comm.all_to_all_fixed(y_send, self.group)
         else:
@@ -359,7 +376,7 @@ class EPDispatcher:
             y_back = comm.all_to_all(y_send, out_splits, in_splits, self.group)
         if self.dedup:
             # one row per (token, rank) came back, in rank order: sum them per token
-            return _segment_sum(y_back, meta.token_S, meta.weights_TK.shape[0], y_back.dtype)
+            return _BagSum.apply(y_back, None, meta.token_S, meta.back_bags, meta.weights_TK.shape[0])
         plan, weights_TK = meta.plan, meta.weights_TK
         if buffered:
             y_back = _take(y_back, meta.slot_q, meta.keep_q)
