@@ -68,3 +68,28 @@ def test_weighted_swiglu_result_does_not_depend_on_row_position() -> None:
     parts.backward(g)
     for a, b in zip(whole, (parts.detach(), h.grad, w.grad)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind,clamp", [("swiglu", None), ("swiglu", 10.0), ("geglu", None), ("relu2", None)])
+def test_dense_mlp_fast_path_matches_generic_activation(kind, clamp) -> None:
+    # MLP takes weighted_swiglu for plain SwiGLU (any leading dims: the model's dense layers get
+    # [B, S, D]); the generic activation is its reference, in output and every gradient.
+    from dropless.layers.mlp import MLP
+    from dropless.ops.activations import activation
+
+    torch.manual_seed(0)
+    mlp = MLP(12, 7, kind, clamp)
+    x = torch.randn(2, 5, 12, requires_grad=True)
+    g = torch.randn(2, 5, 12)
+
+    def grads(forward):
+        x.grad = None
+        mlp.zero_grad(set_to_none=True)
+        y = forward(x)
+        (y * g).sum().backward()
+        return [y.detach(), x.grad] + [p.grad for p in mlp.parameters()]
+
+    fast = grads(mlp)
+    ref = grads(lambda x: mlp.down(activation(mlp.gate_up(x), kind, clamp)))
+    for a, b in zip(fast, ref):
+        assert_close(a, b, REFERENCE[torch.float32])

@@ -9,8 +9,11 @@ ceiling 444 -> 381 ms, system time 20 s -> 2 s over the run. PyTorch's CUDA cach
 the same thing on the GPU; on the CPU torch uses plain malloc, so we tell malloc.
 
 How: `mallopt(M_MMAP_MAX, 0)` (serve large blocks from the heap, never mmap) and a trim threshold
-large enough that free never shrinks the heap. The process keeps its peak footprint (what it held at
-its busiest step) instead of returning memory between steps, which is what a training loop wants.
+large enough that free never shrinks the heap. The process keeps its peak footprint instead of
+returning memory between steps, plus what fragmentation costs: 30 fwd+bwd calls of the `medium`
+layer peak at 2.52 GB resident with it and 1.92 GB without (+31%), with 0 page faults per call once
+settled instead of ~200k. A new step pattern (another shape) may fault a block in once more; the heap
+does not keep growing on a repeated pattern.
 The same settings go into the environment (`MALLOC_MMAP_MAX_`, `MALLOC_TRIM_THRESHOLD_`) so that
 processes started from here (torchrun workers, spawned benchmark ranks) get them from their start.
 

@@ -23,14 +23,16 @@ The protocol (docs/ep.md has the full note):
    de-dup the destination multiplies each GEMM output row by its pair's weight (which travelled with
    it, through the differentiable all-to-all, so weights_TK gets its gradient) and sums the pairs of
    a received row before the return trip; the source sums its returned rows per token, in rank
-   order. Both sums are segment sums (`index_add` into the row, fp32 accumulation): no gather into
-   a [rows, most pairs per row, D] tensor, no copy of the GEMM output into received order.
+   order. Both sums are one `embedding_bag` each over rows grouped by their target (`_BagSum`:
+   fp32 products and sums, one rounding): no fp32 copy of the GEMM output, no zero-filled
+   accumulator, no copy of the GEMM output into received order.
 
 Gathers of rows whose index may point nowhere (padding, overflow, the uninitialised tail of the GEMM
-output) go through `_take`, which reads an appended zero row instead of multiplying by a mask, so a NaN
-in an unused row never leaks. Determinism: every gather's backward scatters to distinct rows except the de-dup replication
-(one received row feeding several pairs) and the source gather of a token sent to several ranks; their
-index_add is sequential on CPU, atomic (order not fixed) on GPU.
+output) read a zero row instead of multiplying by a mask, so a NaN in an unused row never leaks: the
+all-to-alls that feed a gather append that row to their output (`zero_row=True`); elsewhere `_take`
+appends it. Determinism: every gather's backward scatters to distinct rows except the de-dup
+replication (one received row feeding several pairs) and the source gather of a token sent to several
+ranks; their index_add is sequential on CPU, atomic (order not fixed) on GPU.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 Legend: T tokens, D model width, F hidden width. Gate and up are one prefused weight (D -> 2F), so
 the input is read once. n shared experts of width f are one MLP of width n*f: the sum of n gated
-MLPs equals one MLP over their concatenated hidden units.
+MLPs equals one MLP over their concatenated hidden units. SwiGLU without clamp or softcap takes the
+experts' fused op (`weighted_swiglu` with no weights: one autograd node, silu kept, gate and up
+gradients written into one buffer); every other activation takes the generic path.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.activations import activation, is_gated
+from ..ops.activations import activation, is_gated, weighted_swiglu
 
 
 class MLP(nn.Module):
@@ -24,5 +26,10 @@ class MLP(nn.Module):
         nn.init.normal_(self.gate_up.weight, std=d_model ** -0.5)
         nn.init.normal_(self.down.weight, std=d_hidden ** -0.5)
 
-    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return self.down(activation(self.gate_up(x_TD), self.kind, self.clamp, self.softcap))
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:  # any leading dims: [..., D]
+        h = self.gate_up(x_TD)
+        if self.kind == "swiglu" and self.clamp is None and self.softcap is None:
+            a = weighted_swiglu(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1)
+        else:
+            a = activation(h, self.kind, self.clamp, self.softcap)
+        return self.down(a)
