@@ -100,7 +100,8 @@ def _bags(key_N: torch.Tensor, num_bags: int) -> tuple[torch.Tensor, torch.Tenso
 class _BagSum(torch.autograd.Function):
     """out[s] = sum over rows n with seg[n] == s of w[n] * y[n] (w None: plain sum), in row order;
     seg == S leaves a row out. One `embedding_bag` over the rows grouped by `_bags`: it multiplies
-    and accumulates in fp32 and rounds once to y's dtype (the numerics of a bf16 bmm), reads each row
+    and accumulates in fp32 (possibly fused multiply-adds) and rounds once to y's dtype (the numerics
+    of a bf16 bmm), reads each row
     once and writes only the [S, D] result (no fp32 copy of y, no zero-filled accumulator). The
     weights are cast to y's dtype first (embedding_bag wants one dtype; the local path's folded
     weights are cast the same way). Every row belongs to one segment at most, so the backward is a
