@@ -93,3 +93,16 @@ def test_dense_mlp_fast_path_matches_generic_activation(kind, clamp) -> None:
     ref = grads(lambda x: mlp.down(activation(mlp.gate_up(x), kind, clamp)))
     for a, b in zip(fast, ref):
         assert_close(a, b, REFERENCE[torch.float32])
+
+
+@pytest.mark.parametrize("shape", [(0, 12), (2, 0, 12)])
+def test_dense_mlp_fast_path_takes_no_tokens(shape) -> None:
+    # a rank with no tokens still runs its shared experts (EP: every rank runs the same collectives)
+    from dropless.layers.mlp import MLP
+
+    mlp = MLP(12, 7, "swiglu")
+    x = torch.randn(*shape, requires_grad=True)
+    y = mlp(x)
+    y.sum().backward()
+    assert y.shape == shape and x.grad.shape == shape
+    assert not mlp.gate_up.weight.grad.any()

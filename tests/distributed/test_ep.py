@@ -38,6 +38,13 @@ def _case_list(world: int) -> list[dict]:
         dict(name="all_on_rank0", T=[6] * world, E=2 * world, K=2, force="rank0"),
         # one rank has no tokens at all (sends nothing); exact mode only (buffered assumes equal T)
         dict(name="empty_sender", T=[0] + [5] * (world - 1), E=8, K=2, exact_only=True),
+        # ... and still runs its shared experts on zero rows
+        dict(name="empty_sender_shared", T=[0] + [5] * (world - 1), E=8, K=2, exact_only=True,
+             n_shared_experts=1, d_shared=4),
+        # k = E with one expert per rank: every token goes to every rank; padded groups
+        dict(name="kE_one_expert_per_rank", T=[5] * world, E=world, K=world, align=4),
+        # the ranks that receive nothing still hold padded (empty) groups
+        dict(name="all_on_rank0_align", T=[6] * world, E=2 * world, K=2, force="rank0", align=4),
     ]
 
 
@@ -137,6 +144,10 @@ def _check_comm(rank: int, world: int) -> None:
 
 
 def _worker(rank: int, world: int) -> None:
+    # new tensors NaN-filled: a read of memory nobody wrote (GEMM tails, padding, empty slots) would
+    # reach an output or gradient as NaN and fail the comparison
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
     _check_comm(rank, world)
     for case in _case_list(world):
         for mode, dedup in MODES:
@@ -159,6 +170,9 @@ def _worker(rank: int, world: int) -> None:
                 assert int(st.pairs_dropped) > 0, tag
                 assert int(st.pairs_computed) + int(st.pairs_dropped) == case["T"][rank] * case["K"], tag
                 assert bool(must_invalidate(st.pairs_dropped)), tag
+                for name, pair in res.items():  # dropped pairs contribute zeros, never NaN
+                    if not name.startswith("_"):
+                        assert torch.isfinite(pair[0]).all(), f"{tag} {name}"
     # E not divisible by the EP size
     if world == 4:
         with pytest.raises(ValueError, match="num_experts=6.*ep_size=4"):

@@ -92,9 +92,9 @@ def _bags(key_N: torch.Tensor, num_bags: int) -> tuple[torch.Tensor, torch.Tenso
     """Rows grouped by key for `embedding_bag`: (row order, bag start offsets) over num_bags + 1 bags,
     the last one (key == num_bags) collecting the rows to leave out. A stable sort, so each bag sums
     its rows in row order."""
-    order_N = torch.sort(key_N, stable=True).indices
-    counts = torch.bincount(key_N, minlength=num_bags + 1)
-    return order_N, _excl_cumsum(counts)
+    sorted_N, order_N = torch.sort(key_N, stable=True)
+    # bag starts from the sorted keys: sync-free (CUDA bincount reads min and max back on the host)
+    return order_N, torch.searchsorted(sorted_N, torch.arange(num_bags + 1, device=key_N.device))
 
 
 class _BagSum(torch.autograd.Function):

@@ -29,7 +29,8 @@ class MLP(nn.Module):
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:  # any leading dims: [..., D]
         h = self.gate_up(x_TD)
         if self.kind == "swiglu" and self.clamp is None and self.softcap is None:
-            a = weighted_swiglu(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1)
+            # the width spelled out, not -1: a rank with no tokens still runs its shared experts
+            a = weighted_swiglu(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], h.shape[-1] // 2)
         else:
             a = activation(h, self.kind, self.clamp, self.softcap)
         return self.down(a)
