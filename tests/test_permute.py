@@ -121,3 +121,36 @@ def test_permute_gradient_of_dropped_pairs_is_zero() -> None:
     x = torch.randn(6, 4, requires_grad=True)
     P.permute(x, plan).sum().backward()
     assert torch.equal(x.grad, torch.cat([torch.ones(3, 4), torch.zeros(3, 4)]))
+
+
+@pytest.mark.parametrize("N,bins,high", [
+    (200, 7, 9),  # keys past the last bin are not counted (masked pairs use key = E)
+    (50, 64, 64),  # more bins than most keys touch: empty bins
+    (30, 3, 1),  # every key in bin 0
+    (0, 5, 5),  # no keys
+])
+def test_bin_counts_equal_bincount(N, bins, high) -> None:
+    # the sync-free count (sort + binary search) used by plans and the aux loss
+    from dropless.ops.permute import bin_counts
+
+    keys = torch.randint(0, high, (N,), generator=torch.Generator().manual_seed(N))
+    assert torch.equal(bin_counts(keys, bins), torch.bincount(keys, minlength=bins + high)[:bins])
+    assert bin_counts(keys, bins).dtype == torch.int64
+
+
+def test_expert_out_sq_matches_loop_and_ignores_the_tail() -> None:
+    from dropless.layers.moe import expert_out_sq
+
+    gen = torch.Generator().manual_seed(0)
+    ends = torch.tensor([3, 3, 7, 12], dtype=torch.int32)  # expert 1 empty
+    y = torch.randn(15, 4, generator=gen)
+    y[12:] = float("nan")  # past the last group end: uninitialised GEMM rows
+    w = torch.rand(15, generator=gen)
+    w[5] = 0.0  # a padding row: weight 0, counts zero
+    got = expert_out_sq(y, ends, w)
+    starts = [0, 3, 3, 7]
+    want = torch.stack([sum(((y[r] / w[r]).square().mean() if w[r] != 0 else torch.tensor(0.0))
+                            for r in range(s, int(e))) if int(e) > s else torch.tensor(0.0)
+                        for s, e in zip(starts, ends)])
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=1e-6)

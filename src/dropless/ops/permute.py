@@ -10,7 +10,7 @@ R rows of the expert-ordered buffer (P plus alignment padding, or E*C in capacit
     valid_TK    optional mask of real pairs (strategies with a variable number of experts per token):
                 invalid pairs get no row in any expert's group, weight 0 in combine, no gradient
 
-Every index here is computed on the device from `ids_TK` with fixed-size ops (bincount, stable sort,
+Every index here is computed on the device from `ids_TK` with fixed-size ops (stable sort, binary search,
 cumsum, gather), so a plan never needs the host to read counts: the row count R is a static bound
 (P + E*(align-1) when groups are padded to `align` rows), not the exact padded total.
 
@@ -76,6 +76,19 @@ def _invert(order_P: torch.Tensor) -> torch.Tensor:
     return inv
 
 
+def counts_of_sorted(sorted_N: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """How many of the ascending keys equal each of 0 .. num_bins-1 (larger keys are not counted),
+    int64: a binary search for every bin edge. No host sync on any device: CUDA's bincount reads the
+    keys' min and max back to the host to size its output, which the dropless path must never do."""
+    edges = torch.searchsorted(sorted_N, torch.arange(num_bins + 1, device=sorted_N.device, dtype=sorted_N.dtype))
+    return (edges[1:] - edges[:-1]).long()
+
+
+def bin_counts(keys_N: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """`torch.bincount(keys, minlength=num_bins)[:num_bins]` without its host sync (a sort first)."""
+    return counts_of_sorted(torch.sort(keys_N.reshape(-1)).values, num_bins)
+
+
 def _aligned_rows(ids_P: torch.Tensor, order_P: torch.Tensor, counts_E: torch.Tensor,
                   align: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows for the pairs in sorted order when each group is padded to a multiple of `align`:
@@ -103,9 +116,9 @@ def make_plan(ids_TK: torch.Tensor, num_experts: int, align: int = 1,
     P = T * K
     E = num_experts
     ids_P = ids_TK.reshape(-1)
-    counts_E = torch.bincount(ids_P, minlength=E)
     # Stable: within an expert, pairs stay in token order (determinism and position-based dropping).
-    order_P = torch.sort(ids_P, stable=True).indices
+    sorted_P, order_P = torch.sort(ids_P, stable=True)
+    counts_E = counts_of_sorted(sorted_P, E)
     if align == 1:
         offsets_E = torch.cumsum(counts_E, 0).to(torch.int32)
         return RoutingPlan(T, K, E, P, counts_E, offsets_E, _invert(order_P), order_P)
@@ -124,8 +137,8 @@ def _make_masked_plan(ids_TK: torch.Tensor, num_experts: int, align: int,
     P, E = T * K, num_experts
     valid_P = valid_TK.reshape(-1)
     ids_P = torch.where(valid_P, ids_TK.reshape(-1), E)  # invalid pairs -> virtual expert E, last
-    counts_all = torch.bincount(ids_P, minlength=E + 1)
-    order_P = torch.sort(ids_P, stable=True).indices
+    sorted_P, order_P = torch.sort(ids_P, stable=True)
+    counts_all = counts_of_sorted(sorted_P, E + 1)
     _, rows_sorted, ends_all = _aligned_rows(ids_P, order_P, counts_all, align)
     R = P + E * (align - 1)  # static bound: valid pairs plus the real groups' padding
     valid_sorted = valid_P[order_P]
@@ -161,7 +174,7 @@ def make_capacity_plan(
     P, E = T * K, num_experts
     C = capacity(T, K, E, capacity_factor, align)
     ids_P = ids_TK.reshape(-1)
-    counts_E = torch.bincount(ids_P, minlength=E)
+    counts_E = bin_counts(ids_P, E)
     if drop_policy == "score":
         by_score = torch.sort(weights_TK.detach().reshape(-1), descending=True, stable=True).indices
         order_P = by_score[torch.sort(ids_P[by_score], stable=True).indices]

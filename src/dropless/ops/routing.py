@@ -27,6 +27,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .permute import bin_counts
+
 
 def score_fn(logits_TE: torch.Tensor, score_func: str) -> torch.Tensor:
     if score_func == "softmax":
@@ -129,10 +131,9 @@ def router_probs(scores_TE: torch.Tensor, score_func: str) -> torch.Tensor:
 
 def expert_counts(ids_TK: torch.Tensor, num_experts: int, valid_TK: torch.Tensor | None = None) -> torch.Tensor:
     """Pairs routed to each expert, int64, on the device (no host sync). Invalid slots not counted."""
-    if valid_TK is None:
-        return torch.bincount(ids_TK.reshape(-1), minlength=num_experts)
-    ids_P = torch.where(valid_TK, ids_TK, num_experts).reshape(-1)
-    return torch.bincount(ids_P, minlength=num_experts + 1)[:num_experts]
+    if valid_TK is not None:
+        ids_TK = torch.where(valid_TK, ids_TK, num_experts)  # out of range: not counted
+    return bin_counts(ids_TK, num_experts)
 
 
 # ---------------------------------------------------------------------------------------------------
