@@ -32,7 +32,9 @@ output) read a zero row instead of multiplying by a mask, so a NaN in an unused 
 all-to-alls that feed a gather append that row to their output (`zero_row=True`); elsewhere `_take`
 appends it. Determinism: every gather's backward scatters to distinct rows except the de-dup
 replication (one received row feeding several pairs) and the source gather of a token sent to several
-ranks; their index_add is sequential on CPU, atomic (order not fixed) on GPU.
+ranks; their index_add is sequential on CPU; on CUDA it is atomic (order not fixed) unless
+torch.use_deterministic_algorithms is on (the trainer's `train.deterministic`, default true), which
+gives index_select's backward a deterministic kernel (PyTorch documents it in that list).
 """
 
 from __future__ import annotations
