@@ -207,6 +207,13 @@ class EPDispatcher:
         """Pair slots per link for `num_tokens` tokens per rank, k each (buffered mode's C)."""
         return link_capacity(num_tokens, top_k, self.num_local, self.ep_size, self.ragged_buffer_factor)
 
+    def exact(self) -> "EPDispatcher":
+        """The same dispatcher in exact mode: any number of tokens per rank, never drops (one host
+        read of the split sizes per call). For evaluation, where ranks may hold different batches."""
+        other = object.__new__(EPDispatcher)
+        other.__dict__.update(self.__dict__, mode="exact")
+        return other
+
     def worst_case(self) -> "EPDispatcher":
         """The same dispatcher with worst-case buffers: the retry of an overflowing step."""
         other = object.__new__(EPDispatcher)

@@ -183,15 +183,26 @@ def finish_grads_(model: MoEModel, expert_names: list[str], ep: int, max_norm: f
 
 
 @contextlib.contextmanager
-def worst_case_dispatch(model: MoEModel) -> Iterator[None]:
-    """Inside: every EP layer dispatches with worst-case buffers (never overflows). For the retry of
-    an overflowing step, evaluation and probes, whose results must not depend on the buffer size."""
+def _dispatchers_replaced(model: MoEModel, replace: Callable[[EPDispatcher], EPDispatcher]) -> Iterator[None]:
     saved = [(layer, layer.dispatcher) for layer in model.moe_layers()]
     for layer, d in saved:
-        if isinstance(d, EPDispatcher) and d.mode == "buffered":
-            layer.dispatcher = d.worst_case()
+        if isinstance(d, EPDispatcher):
+            layer.dispatcher = replace(d)
     try:
         yield
     finally:
         for layer, d in saved:
             layer.dispatcher = d
+
+
+def worst_case_dispatch(model: MoEModel) -> contextlib.AbstractContextManager[None]:
+    """Inside: every buffered EP layer dispatches with worst-case buffers (never overflows). For the
+    retry of an overflowing step and the health probe, whose results must not depend on the buffer
+    size."""
+    return _dispatchers_replaced(model, lambda d: d.worst_case() if d.mode == "buffered" else d)
+
+
+def exact_dispatch(model: MoEModel) -> contextlib.AbstractContextManager[None]:
+    """Inside: every EP layer dispatches in exact mode (any number of tokens per rank, never
+    overflows). For sharded evaluation, where ranks may hold batches of different sizes."""
+    return _dispatchers_replaced(model, EPDispatcher.exact)

@@ -167,18 +167,29 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Every rank runs the same batches (EP needs every rank in each forward; W-fold redundant
-        compute, a known cost), with worst-case EP buffers so no pair is dropped."""
+        """Mean cross-entropy over the validation batches. With W processes each rank evaluates every
+        W-th batch and the sums are all-reduced: the mean of one process (up to the order of the
+        additions) in 1/W of the time. Every rank must run the same number of forwards (FSDP
+        gathers, EP all-to-alls), so a rank without a batch in the last round reruns one and
+        discards it; EP layers dispatch in exact mode meanwhile (ranks may then hold batches of
+        different sizes; exact mode never drops a pair)."""
         t = self.cfg.train
         self.model.eval()
-        total, n = 0.0, 0
-        with par.worst_case_dispatch(self.model):
-            for x, y in eval_batches(self.val_tokens, t.batch_size, t.seq_len, t.eval_batches):
+        batches = list(eval_batches(self.val_tokens, t.batch_size, t.seq_len, t.eval_batches))
+        mine = batches[self.rank::self.world_size]
+        rounds = -(-len(batches) // self.world_size)
+        sums = torch.zeros(2, dtype=torch.float64)  # sum of ce * tokens, tokens
+        with par.exact_dispatch(self.model):
+            for i in range(rounds):
+                x, y = mine[i] if i < len(mine) else batches[0]
                 with self.autocast():
                     out = self.model(x, y)
-                total += float(out.ce_loss) * x.numel()
-                n += x.numel()
+                if i < len(mine):
+                    sums += torch.tensor([float(out.ce_loss) * x.numel(), x.numel()], dtype=torch.float64)
+        if self.distributed:
+            self.health.reduce(sums, "sum")
         self.model.train()
+        total, n = sums.tolist()
         return total / max(n, 1)
 
     def _global_counts(self, step: int) -> torch.Tensor | None:
