@@ -16,27 +16,20 @@ import pytest
 import torch
 
 from dist_harness import run_world
-from dropless.config import load_config
 from dropless.train import checkpoint as ckpt
 from dropless.train.data import eval_batches, load_splits
 from dropless.train.generate import load_model
 from dropless.train.loop import Trainer
 from dropless.train.overflow import EPOverflowError
 from dropless.train.tokenizer import load_tokenizer
+from tiny_run import tiny as tiny_base
 from tolerances import PARALLEL_TRAIN_GRAD_NORM, PARALLEL_TRAIN_LOSS
-
-TINY = [
-    "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.max_seq_len=32",
-    "model.d_ff_dense=64", "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.d_expert=32",
-    "train.batch_size=4", "train.seq_len=32", "train.steps=20", "train.warmup_steps=2",
-    "train.eval_every=20", "train.eval_batches=2", "train.ckpt_every=10", "train.lr=1e-2",
-    "train.dtype=fp32", "data.max_bytes=200000", "log.log_every=1", "log.progress=false",
-    "log.tensorboard=false", "log.plots=false",
-]
 
 
 def tiny(*extra: str):
-    return load_config(None, TINY + list(extra))
+    # fp32: the parity tolerances compare against one process at the fp32 noise floor; one evaluation,
+    # at the end
+    return tiny_base("train.eval_every=20", "train.dtype=fp32", *extra)
 
 
 def metric(run_dir: Path, key: str) -> list[float]:

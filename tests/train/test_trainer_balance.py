@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dropless.train import loop
-from test_training import tiny
+from tiny_run import tiny
 from tolerances import assert_close
 
 

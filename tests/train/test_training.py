@@ -13,19 +13,8 @@ from dropless.train import checkpoint as ckpt
 from dropless.train.generate import load_model, sample
 from dropless.train.loop import Trainer
 from dropless.train.run import main as train_main
+from tiny_run import tiny
 
-TINY = [
-    "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.max_seq_len=32",
-    "model.d_ff_dense=64", "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.d_expert=32",
-    "train.batch_size=4", "train.seq_len=32", "train.steps=20", "train.warmup_steps=2",
-    "train.eval_every=10", "train.eval_batches=2", "train.ckpt_every=10", "train.lr=1e-2",
-    "data.max_bytes=200000", "log.log_every=1", "log.progress=false", "log.tensorboard=false",
-    "log.plots=false",
-]
-
-
-def tiny(*extra: str):
-    return load_config(None, TINY + list(extra))
 
 
 def rows(run_dir: Path, key: str) -> list[dict]:

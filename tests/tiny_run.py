@@ -1,0 +1,21 @@
+"""The tiny training configuration the trainer tests share (one process and spawned gloo worlds alike:
+tests/ is on the import path of both, see conftest.py and distributed/dist_harness.py's callers)."""
+
+from __future__ import annotations
+
+from dropless.config import RunConfig, load_config
+
+# 2 layers of width 32, 4 experts top-2, 20 steps of 4 x 32 tokens on 200 kB of the corpus: seconds.
+TINY = [
+    "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.max_seq_len=32",
+    "model.d_ff_dense=64", "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.d_expert=32",
+    "train.batch_size=4", "train.seq_len=32", "train.steps=20", "train.warmup_steps=2",
+    "train.eval_every=10", "train.eval_batches=2", "train.ckpt_every=10", "train.lr=1e-2",
+    "data.max_bytes=200000", "log.log_every=1", "log.progress=false", "log.tensorboard=false",
+    "log.plots=false",
+]
+
+
+def tiny(*extra: str) -> RunConfig:
+    """TINY with `extra` dotted overrides applied after it (a later setting of a field wins)."""
+    return load_config(None, TINY + list(extra))
