@@ -60,14 +60,21 @@ def lowp_layer_rel_err(precision: str) -> float:
 # formula (bias correction, decay) is off by tens of percent.
 ADAMW_BF16_REL_DISPLACEMENT = 0.02
 
-# Expert parallelism vs the single-process layer, fp32. Without de-dup no float is summed across ranks:
-# each destination runs the grouped GEMM on exactly the rows (same order, same group sizes) that the
-# single-process plan gives that expert, and the source combines in token order with the same code, so
-# outputs, input gradients and expert-weight gradients are compared with torch.equal. Everything else
-# is the noise floor of reordered fp32 sums: de-dup sums a token's pairs per rank, then over ranks (a
-# different association of the same <= K terms), and replicated weights (router, shared experts) sum
-# their gradient over ranks after each rank summed its own tokens (a different association of T terms).
-# Both are a few ulps of the largest partial sum; 2e-6 relative to the tensor's largest entry.
+# Expert parallelism vs the single-process layer, fp32: every float result (outputs, input gradients,
+# expert-weight gradients, the replicated router and shared-expert gradients) at the noise floor of
+# reordered fp32 sums, never torch.equal. Why not bit-exact, even without de-dup: an EP rank runs its
+# GEMMs (the router's logits, each expert's grouped GEMM, the weight-gradient reductions over rows) on
+# a slice of the batch, and the BLAS (MKL here) rounds a row of an fp32 GEMM differently depending on
+# more than the row: the number of rows around it, their alignment, and the kernel path picked for the
+# CPU (AVX-512, AVX2, AMX machines). Measured on torch 2.13 CPU: a router row of a 12-token batch differs
+# by 9.5e-7 from the same row in its 6-token half on an AMX machine's default path, while under
+# MKL_ENABLE_INSTRUCTIONS=AVX2 a plain mm row differs by up to 4.8e-7 between batches of 2..9 and 1000
+# rows; the EP parity suite saw 6e-8..4.8e-7 differences depending on the machine (issue 10). Beyond
+# that, de-dup sums a token's pairs per rank, then over ranks (a different association of the same
+# <= K terms), and replicated weights sum their gradient over ranks after each rank summed its own
+# tokens (a different association of T terms). All of it is a few ulps of the largest partial sum;
+# 2e-6 relative to the tensor's largest entry. A rerun of the same configuration on the same machine is
+# still bit-identical (tests/train: reruns and resume compare with torch.equal on one process).
 EP_REDUCED = (2e-6, 2e-6)
 
 # Distributed training (EP + FSDP2, 4 gloo ranks, fp32) against one process with 4x the gradient
