@@ -88,3 +88,23 @@ EP_REDUCED = (2e-6, 2e-6)
 # gradient scale (experts not divided by ep, measured) moves the loss by only 2e-5 in 20 steps.
 PARALLEL_TRAIN_LOSS = 1e-6
 PARALLEL_TRAIN_GRAD_NORM = 1e-4
+
+
+# fp32 GEMM results that the BLAS may round differently: the same operands at another memory
+# alignment, in a batch of another size, or on another kernel path (MKL picks AMX / AVX-512 / AVX2 code
+# by CPU; MKL_ENABLE_INSTRUCTIONS forces one). A dot product of n terms summed in another order differs
+# by at most (n-1) ulps of the running sum, in practice a few; the bound is per element, scaled by the
+# magnitude of the terms it sums, (|A| @ |B|)[i, j], so a small element made of small terms is held
+# as tightly as a large one (a per-tensor max scale would let it be entirely wrong). Measured: the
+# fp8_blockwise wgrad of tests/ops/test_quant_gemm.py under MKL_ENABLE_INSTRUCTIONS=AVX2 (a slice of
+# a larger buffer vs a fresh tensor: same operands, other alignment), 5e-7 of the largest entry.
+GEMM_REORDER_ULPS = 8.0
+
+
+def assert_gemm_close(actual: torch.Tensor, expected: torch.Tensor, magnitude: torch.Tensor,
+                      msg: str = "") -> None:
+    """|actual - expected| <= GEMM_REORDER_ULPS * eps32 * magnitude, elementwise, where magnitude is
+    the GEMM of the operands' absolute values (|A| @ |B|) that produced `expected`."""
+    bound = GEMM_REORDER_ULPS * torch.finfo(torch.float32).eps * magnitude
+    excess = (actual.float() - expected.float()).abs() - bound
+    assert bool((excess <= 0).all()), f"{msg}: exceeds the reordering bound by {float(excess.max()):.3g}"
