@@ -33,12 +33,17 @@ def test_weighted_swiglu_matches_reference(dtype, R, F, weighted) -> None:
         w[0] = 0.0  # a padding row: zero weight, zero gradient into h
     fast = run(weighted_swiglu, h, w)
     ref = run(weighted_swiglu_reference, h, w)
+    # dw[r] = sum_f g[r, f] * silu(gate) * up: a sum with cancellation whose bf16 products are
+    # rounded differently on the two sides, so its error follows the sum of |terms| (tolerances.py)
+    g = torch.randn(R, F, generator=torch.Generator().manual_seed(3)).to(dtype)
+    dw_terms = (g.float() * weighted_swiglu_reference(h).float()).abs().sum(-1)
     for a, b, name in zip(fast, ref, ("y", "dh", "dw")):
         if b is None:
             assert a is None, name
             continue
         assert a.dtype == b.dtype, name
-        assert_close(a.float(), b.float(), tol=REFERENCE[dtype], msg=name)
+        assert_close(a.float(), b.float(), tol=REFERENCE[dtype], msg=name,
+                     terms=dw_terms if name == "dw" else None)
     if weighted and R:
         assert torch.count_nonzero(fast[1][0]) == 0
 

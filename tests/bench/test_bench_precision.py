@@ -4,6 +4,7 @@ tiny model (d=32: the smallest width that mxfp8's 32-element blocks divide)."""
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -32,9 +33,22 @@ def test_bench_precision_smoke(tmp_path: Path, capsys: pytest.CaptureFixture) ->
     record = json.loads((tmp_path / "rows.json").read_text())
     rows = {r["precision"]: r for r in record["rows"]}
     assert set(rows) == {"bf16", "mxfp8"}
-    assert rows["bf16"]["rel_to_bf16"] == 0.0 and rows["bf16"]["step_ms_rel_to_bf16"] == 1.0
-    assert rows["mxfp8"]["val_loss"] > 0 and rows["mxfp8"]["step_ms"] > 0 and rows["mxfp8"]["run_step_ms"] > 0
-    assert (tmp_path / "runs" / "mxfp8" / "summary.json").is_file()
+    base = rows["bf16"]
+    for precision, row in rows.items():
+        # each row against its own run: the precision it ran, its last losses, its step times
+        run = tmp_path / "runs" / precision
+        assert f'precision = "{precision}"' in (run / "config.toml").read_text()
+        metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        train = [m for m in metrics if "loss" in m]
+        assert len(train) == 2 and row["step_ms"] > 0
+        assert row["val_loss"] == [m["val_loss"] for m in metrics if "val_loss" in m][-1]
+        assert row["train_loss"] == train[-1]["loss"]
+        assert row["run_step_ms"] == statistics.median(m["step_ms"] for m in train[1:])
+        # the gaps to bf16 from the absolute figures
+        assert row["rel_to_bf16"] == pytest.approx(row["val_loss"] / base["val_loss"] - 1, rel=1e-9, abs=1e-15)
+        assert row["step_ms_rel_to_bf16"] == pytest.approx(row["step_ms"] / base["step_ms"], rel=1e-12)
+    # same seed, data and weights: only the expert precision differs, and it must change the numbers
+    assert rows["mxfp8"]["val_loss"] != base["val_loss"]
     state = record["optimizer_state_bytes"]
     # Two fp32 moments become two bf16 moments; torch's AdamW also keeps a 4-byte step tensor per
     # parameter, where AdamWBF16 keeps a Python int, so the ratio is a hair under one half.

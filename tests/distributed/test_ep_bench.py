@@ -1,25 +1,61 @@
-"""`dropless bench ep` runs end to end on a tiny world and writes the documented JSON keys."""
+"""`dropless bench ep` runs end to end on a tiny world and writes the documented JSON keys, with byte
+counts that match the routing its ranks draw, recomputed here without the dispatcher."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
+import torch
+
 from dropless.cli import main
+from dropless.distributed.ep import link_capacity
+
+T, D, E, K, W = 16, 16, 8, 4, 2  # tokens per rank, width, experts, top-k, ranks
+BF16_BYTES, META_BYTES = 2, 8  # a bf16 row element; per pair with de-dup: fp32 weight + int32 row index
+
+
+def expected_bytes() -> dict[str, tuple[int, int]]:
+    """(bytes_sent, bytes_sent_without_dedup) summed over ranks, per mode, from each rank's routing as
+    the bench draws it (generator seeded with the rank: x, then the logits, softmax top-k)."""
+    L = E // W
+    pairs = rows = 0
+    for rank in range(W):
+        gen = torch.Generator().manual_seed(rank)
+        torch.randn(T, D, generator=gen)  # x, drawn first
+        ids = torch.softmax(torch.randn(T, E, generator=gen), -1).topk(K, -1).indices
+        pairs += ids.numel()  # every pair goes out (its own rank counts as a link too)
+        rows += sum(len(set((ids[t] // L).tolist())) for t in range(T))  # de-dup: one row per (token, rank)
+    C = link_capacity(T, K, L, W, 2.0)  # the bench's default --factor
+    Cr = min(C, T)
+    links = W * W
+    return {
+        "exact": (pairs * D * BF16_BYTES, pairs * D * BF16_BYTES),
+        "exact+dedup": (rows * D * BF16_BYTES + pairs * META_BYTES, pairs * D * BF16_BYTES),
+        "buffered": (links * C * D * BF16_BYTES, links * C * D * BF16_BYTES),
+        "buffered+dedup": (links * (Cr * D * BF16_BYTES + C * META_BYTES), links * C * D * BF16_BYTES),
+    }
 
 
 def test_bench_ep_smoke(tmp_path: Path) -> None:
     out = tmp_path / "ep.json"
-    rc = main(["bench", "ep", "--nproc", "2", "--tokens", "16", "--dim", "16", "--experts", "8",
-               "--top-k", "4", "--repeats", "1", "--warmup", "0", "--json", str(out)])
+    rc = main(["bench", "ep", "--nproc", str(W), "--tokens", str(T), "--dim", str(D), "--experts", str(E),
+               "--top-k", str(K), "--repeats", "1", "--warmup", "0", "--json", str(out)])
     assert rc == 0
-    modes = json.loads(out.read_text())["modes"]
+    record = json.loads(out.read_text())
+    assert record["config"]["dtype"] == "bf16" and record["config"]["factor"] == 2.0
+    modes = record["modes"]
     assert set(modes) == {"exact", "exact+dedup", "buffered", "buffered+dedup"}
-    for row in modes.values():
-        for key in ("dispatch_combine_ms", "raw_all_to_all_ms", "raw_data_all_to_all_ms", "bytes_sent",
-                    "bytes_sent_without_dedup"):
-            assert row[key] > 0
-        assert row["ratio"] == row["dispatch_combine_ms"] / row["raw_all_to_all_ms"]
+    for name, row in modes.items():
+        for key in ("dispatch_combine_ms", "raw_all_to_all_ms", "raw_data_all_to_all_ms"):
+            assert row[key] > 0, (name, key)
+        assert row["ratio"] == pytest.approx(row["dispatch_combine_ms"] / row["raw_all_to_all_ms"], rel=1e-12)
+        assert row["ratio_data_only"] == pytest.approx(
+            row["dispatch_combine_ms"] / row["raw_data_all_to_all_ms"], rel=1e-12)
+        assert row["overflow"] == 0, name  # factor 2 over random routing: nothing dropped
+    expected = expected_bytes()
+    for name, (sent, plain) in expected.items():
+        assert (modes[name]["bytes_sent"], modes[name]["bytes_sent_without_dedup"]) == (sent, plain), name
     # k=4 over 2 ranks of 4 experts: every token has >= 2 pairs on some rank, so de-dup sends less
     assert modes["exact+dedup"]["bytes_sent"] < modes["exact"]["bytes_sent"]
-    assert modes["exact"]["bytes_sent"] == modes["exact"]["bytes_sent_without_dedup"]

@@ -56,7 +56,9 @@ def test_bag_sum_matches_loop(dtype, weighted, N, S) -> None:
     assert_close(fast[1][keep], ref[1][keep], tol, msg="dy")
     if weighted:
         assert torch.equal(fast[2][~keep], torch.zeros_like(fast[2][~keep]))
-        assert_close(fast[2][keep], ref[2][keep], tol, msg="dw")
+        # dw[n] = sum_d g[seg[n], d] * y[n, d], a sum with cancellation: bounded by its terms (tolerances.py)
+        dw_terms = (g.float()[seg[keep]] * y[keep].float()).abs().sum(-1)
+        assert_close(fast[2][keep], ref[2][keep], tol, msg="dw", terms=dw_terms)
 
 
 def test_bag_sum_sums_in_row_order_bit_exactly() -> None:

@@ -17,9 +17,10 @@ from host_sync import forbid_host_sync
 from tolerances import assert_close
 
 
-def build(E: int = 6, K: int = 2, bias: list[float] | None = None, seed: int = 0) -> MoELayer:
+def build(E: int = 6, K: int = 2, bias: list[float] | None = None, seed: int = 0, align: int = 1) -> MoELayer:
     torch.manual_seed(seed)
-    cfg = MoEConfig(num_experts=E, top_k=K, d_expert=8, router=RouterConfig(use_expert_bias=bias is not None))
+    cfg = MoEConfig(num_experts=E, top_k=K, d_expert=8, align=align,
+                    router=RouterConfig(use_expert_bias=bias is not None))
     layer = MoELayer(16, cfg)
     if bias is not None:
         layer.router.expert_bias.copy_(torch.tensor(bias))
@@ -135,15 +136,29 @@ def test_detailed_stats_values_and_default_cost() -> None:
 
 
 def test_detailed_stats_need_no_host_sync() -> None:
-    layer = build(E=5, K=2)
-    layer.cfg.align = 4
+    # With padded groups (align=4, set in the config: the dispatcher takes its alignment when the
+    # layer is built), so the per-expert output sums skip padding rows without reading a count.
+    layer = build(E=5, K=2, align=4)
     layer.detailed_stats = True
+    seen = []
+    layer.experts.register_forward_pre_hook(lambda mod, args: seen.append(args[0].offsets_E))
     acc = stats.StepAccumulator(1, 5, 2)
+    x = torch.randn(20, 16, generator=torch.Generator().manual_seed(3))
     with forbid_host_sync():
-        out = layer(torch.randn(20, 16))
+        out = layer(x)
         acc.add(0, out.stats, out.aux_loss)
         acc.end_step()
     assert acc.record(0)["layers"][0]["rms_max_over_median"] is not None
+    # the padding really exists: each group is padded to a multiple of 4, and some groups grew
+    counts = out.stats.tokens_per_expert_E
+    padded = (counts + 3) // 4 * 4
+    assert torch.equal(seen[0].long(), torch.cumsum(padded, 0))
+    assert not torch.equal(seen[0].long(), torch.cumsum(counts, 0))
+    # and the padded sums are the per-expert sums of the unpadded layer (same weights)
+    plain = build(E=5, K=2)
+    plain.load_state_dict(layer.state_dict())
+    plain.detailed_stats = True
+    assert_close(out.stats.out_sq_E, plain(x).stats.out_sq_E, msg="out_sq_E padded vs unpadded")
 
 
 def test_maxvio_local_catches_what_global_hides() -> None:

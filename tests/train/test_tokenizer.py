@@ -39,7 +39,9 @@ def test_byte_decode_rejects_out_of_range() -> None:
 
 
 def _write_hf_tokenizer(path: Path) -> Path:
-    tokenizers = pytest.importorskip("tokenizers")
+    # tokenizers is a dev dependency (pyproject.toml), installed by `make test`: a missing install
+    # fails here instead of skipping the HF tests silently
+    import tokenizers
     from tokenizers import models, pre_tokenizers, trainers
 
     tok = tokenizers.Tokenizer(models.BPE(unk_token="[UNK]"))
@@ -82,7 +84,6 @@ def test_load_tokenizer_errors() -> None:
 
 
 def test_hf_malformed_file(tmp_path: Path) -> None:
-    pytest.importorskip("tokenizers")
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(ValueError, match="cannot parse"):
         HFTokenizer(tmp_path)

@@ -26,12 +26,21 @@ def rows(run_dir: Path, key: str) -> list[dict]:
     return out
 
 
+# What the tiny run (tiny_run.py: 20 steps, lr 1e-2) reaches, measured on torch 2.13 CPU: final val
+# loss 3.37 (seeds 0, 1, 2: 3.37, 3.40, 3.45), train CE 5.55 -> 3.64 (a fall of 1.9 to 2.2). A trainer
+# that does not learn stays at ln(256) = 5.55: optimizer step skipped, or lr 1e-8, 5.555 val and no
+# fall; one that learns too little is caught too: lr 10x too low, 5.22 val and a fall of 0.28; half
+# the steps, 4.06 val. The bounds sit between the working run and all of these.
+TINY_VAL_LOSS_BELOW = 3.8
+TINY_CE_FALL_ABOVE = 1.4
+
+
 def test_smoke_loss_falls(tmp_path: Path) -> None:
     summary = Trainer(tiny(), tmp_path).fit()
     train = rows(tmp_path, "loss")
     assert len(train) == 20
-    assert train[-1]["ce_loss"] < train[0]["ce_loss"] - 0.7  # from ~ln(256)=5.5 down
-    assert summary["final_val_loss"] < 5.0
+    assert train[-1]["ce_loss"] < train[0]["ce_loss"] - TINY_CE_FALL_ABOVE  # from ~ln(256)=5.5 down
+    assert summary["final_val_loss"] < TINY_VAL_LOSS_BELOW
     assert ckpt.latest_checkpoint(tmp_path) is not None
     routing = [json.loads(line) for line in (tmp_path / "routing.jsonl").read_text().splitlines()]
     assert len(routing[0]["layers"]) == 1 and sum(routing[0]["layers"][0]["counts"]) == 4 * 32 * 2
@@ -74,7 +83,7 @@ def test_adamw_bf16_trains_and_resumes_exactly(tmp_path: Path, monkeypatch: pyte
     trainer = Trainer(tiny("train.optimizer=adamw_bf16"), full)
     trainer.fit()
     train = rows(full, "loss")
-    assert train[-1]["ce_loss"] < train[0]["ce_loss"] - 0.7
+    assert train[-1]["ce_loss"] < train[0]["ce_loss"] - TINY_CE_FALL_ABOVE  # measured 5.55 -> 3.64
     moments = [v for st in trainer.optimizer.state.values() for k, v in st.items() if k.startswith("exp_avg")]
     assert moments and all(m.dtype == torch.bfloat16 for m in moments)
 
@@ -135,7 +144,8 @@ def test_presets_load_and_dense_matches_active_params() -> None:
 def test_dense_model_trains(tmp_path: Path) -> None:
     # the `dense` baseline has no MoE layer: routing health has nothing to record, training still runs
     summary = Trainer(tiny("model.n_dense_layers=2", "train.steps=4"), tmp_path).fit()
-    assert summary["final_val_loss"] < 6.0
+    # 4 steps reach 4.98 (seed 1: 4.92); without updates (step skipped, lr 1e-8) the loss stays 5.553
+    assert summary["final_val_loss"] < 5.3
     assert not (tmp_path / "routing.jsonl").exists() or (tmp_path / "routing.jsonl").read_text() == ""
 
 

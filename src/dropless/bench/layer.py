@@ -59,6 +59,8 @@ SHAPES = {
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 ZIPF_EXPONENT = 1.0
 COLUMNS = ["variant", "fwd_ms", "fwd_bwd_ms", "ratio_to_dense"]
+# (fwd, fwd_bwd) closures of one variant
+Variant = tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor | None]]
 
 
 def balanced_ids(T: int, E: int, K: int, gen: torch.Generator) -> torch.Tensor:
@@ -83,27 +85,30 @@ def _params(*modules: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for m in modules for p in m.parameters()]
 
 
+# The closures return what they computed (the output; the input gradient), which timing ignores, so
+# that tests/test_bench_layer.py can check that the variants compute the same function.
 def _fwd_bwd(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
-             params: list[torch.nn.Parameter]) -> Callable[[], None]:
-    def run() -> None:
+             params: list[torch.nn.Parameter]) -> Callable[[], torch.Tensor | None]:
+    def run() -> torch.Tensor | None:
         x.grad = None
         for p in params:
             p.grad = None
         forward(x).float().square().mean().backward()
+        return x.grad
 
     return run
 
 
-def _fwd(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Callable[[], None]:
-    def run() -> None:
+def _fwd(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def run() -> torch.Tensor:
         with torch.no_grad():
-            forward(x)
+            return forward(x)
 
     return run
 
 
 def build_variants(shape: str, routing: str, dtype: torch.dtype, seed: int = 0
-                   ) -> tuple[dict[str, tuple[Callable[[], None], Callable[[], None]]], dict]:
+                   ) -> tuple[dict[str, Variant], dict]:
     """Every variant as (fwd, fwd_bwd) closures, plus metadata about the routing."""
     T, D, E, K, Fw = SHAPES[shape]
     gen = torch.Generator().manual_seed(seed)
@@ -116,7 +121,7 @@ def build_variants(shape: str, routing: str, dtype: torch.dtype, seed: int = 0
         layer.router.float()
         return layer
 
-    variants: dict[str, tuple[Callable[[], None], Callable[[], None]]] = {}
+    variants: dict[str, Variant] = {}
 
     def add(name: str, forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
             params: list[torch.nn.Parameter]) -> None:
