@@ -77,6 +77,20 @@ ADAMW_BF16_REL_DISPLACEMENT = 0.02
 # still bit-identical (tests/train: reruns and resume compare with torch.equal on one process).
 EP_REDUCED = (2e-6, 2e-6)
 
+# Expert parallelism vs the single-process layer with low-precision expert GEMMs (ops.quant_gemm):
+# the same floor as EP_REDUCED, not the quantisation floor, because every quantised operand is the
+# same bits in both runs. An EP destination lays out expert e's rows exactly as the one-process plan
+# does on the global batch (source-major = token order, padded to the token block at the group end),
+# so every block-scaled operand (x and dy along D, their 32-token wgrad blocks, the per-expert
+# weights) sees the same numbers, and the emulated GEMM multiplies the same matrices per expert. The
+# one input that would differ is the routing weight (the router's fp32 GEMM on a slice vs the whole
+# batch: see EP_REDUCED), and a weight one ulp off can move an activation across an E4M3 rounding
+# boundary, a whole quantum (~6%) at once; the test feeds the router exact dyadic inputs (every logit
+# an exact sum in any order), so the weights are the same bits too. What remains is the EP
+# re-association of sums after the last quantisation (de-dup's per-rank sums, the replicated router's
+# gradient over ranks, the input gradient over ranks): fp32 noise.
+EP_LOWP = EP_REDUCED
+
 # Distributed training (EP + FSDP2, 4 gloo ranks, fp32) against one process with 4x the gradient
 # accumulation, over 20 steps of the tiny config (tests/distributed/test_parallel_train.py). The data are
 # identical; what differs is the association of fp32 sums: FSDP reduce-scatters per-rank gradient sums
