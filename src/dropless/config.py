@@ -235,7 +235,8 @@ class ParallelConfig:
             _fail(f"{prefix}.retry_on_overflow", self.retry_on_overflow, "must be true or false")
         if isinstance(self.max_tokens_per_rank, bool) or not isinstance(self.max_tokens_per_rank, int) \
                 or self.max_tokens_per_rank < 0:
-            _fail(f"{prefix}.max_tokens_per_rank", self.max_tokens_per_rank, "must be an int >= 0 (0 = the micro-batch)")
+            _fail(f"{prefix}.max_tokens_per_rank", self.max_tokens_per_rank,
+                  "must be an int >= 0 (0 = the micro-batch)")
 
     def check_experts(self, num_experts: int, prefix: str = "parallel") -> None:
         """E experts must split evenly over ep_size ranks."""

@@ -31,7 +31,9 @@ from dropless.config import MoEConfig, ParallelConfig, RouterConfig
 from dropless.distributed import comm
 from dropless.distributed.ep import EPDispatcher, link_capacity, local_expert_count, must_invalidate
 from dropless.distributed.parallelize_ep import shard_moe_layer
+from dropless.layers.dispatch import DispatchMeta
 from dropless.layers.moe import MoELayer
+from dropless.layers.router import RoutingDecision
 from dropless.ops import routing
 from tolerances import EP_LOWP, EP_REDUCED, assert_close
 
@@ -164,7 +166,8 @@ def _run_case(rank: int, world: int, case: dict, mode: str, dedup: bool, factor:
     counts_E = out.stats.tokens_per_expert_E.clone()
     dist.all_reduce(counts_E)
     align = ep.dispatcher.align
-    res_offsets = (seen["offsets"], torch.cumsum((counts_E[rank * L:(rank + 1) * L] + align - 1) // align * align, 0))
+    local_E = counts_E[rank * L:(rank + 1) * L]
+    res_offsets = (seen["offsets"], torch.cumsum((local_E + align - 1) // align * align, 0))
     res = dict(y=(out.y, y_ref), x=(gx, gx_ref))
     for name, p in ep.named_parameters():
         p_ref = dict(ref.named_parameters())[name]
@@ -229,6 +232,31 @@ def _check_bound(rank: int, world: int) -> None:
     dist.barrier()  # and the group still works
 
 
+def _check_contract(rank: int, world: int) -> None:
+    """The dispatcher contract on its own: typed metadata with this rank's expert slice, each row's
+    routing weight handed to the experts (invalid slots: no row), and combine an unweighted sum."""
+    E, K, T, D = 2 * world, 3, 7, 4
+    L = E // world
+    gen = torch.Generator().manual_seed(rank)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=gen)
+    valid = torch.rand(T, K, generator=gen) < 0.7
+    dec = RoutingDecision(ids, w * valid, torch.zeros(T, E), torch.zeros(T, E), valid)
+    for mode in ("exact", "buffered"):
+        for dedup in (False, True):
+            disp = EPDispatcher(E, None, align=2, mode=mode, dedup=dedup, max_tokens=T)
+            batch, meta = disp.dispatch(torch.randn(T, D, generator=gen), dec)
+            assert isinstance(meta, DispatchMeta)
+            assert (meta.first_expert, meta.num_local) == (rank * L, L)
+            # the weights of the valid pairs every rank routes to this rank's experts
+            want_P = torch.stack([(w * valid * ((ids // L) == r)).sum() for r in range(world)])
+            dist.all_reduce(want_P)
+            assert_close(batch.weights_R.sum(), want_P[rank], EP_REDUCED, msg=f"{mode} dedup={dedup} weights_R")
+            # ones in every row, padding included: each token gets its number of valid pairs
+            y = disp.combine(torch.ones(batch.x_RD.shape[0], D), meta)
+            assert torch.equal(y, valid.sum(1, keepdim=True).float().expand(T, D)), f"{mode} dedup={dedup}"
+
+
 def _worker(rank: int, world: int) -> None:
     # new tensors NaN-filled: a read of memory nobody wrote (GEMM tails, padding, empty slots) would
     # reach an output or gradient as NaN and fail the comparison
@@ -236,6 +264,7 @@ def _worker(rank: int, world: int) -> None:
     torch.utils.deterministic.fill_uninitialized_memory = True
     _check_comm(rank, world)
     _check_bound(rank, world)
+    _check_contract(rank, world)
     for case in _case_list(world):
         for mode, dedup in MODES:
             # buffered: "tight" sizes each link to the busiest link's load, so no pair drops but most

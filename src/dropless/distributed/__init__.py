@@ -5,6 +5,6 @@ from .parallelize import (Meshes, build_meshes, dp_all_reduce, exact_dispatch, f
                           parallelize_model, worst_case_dispatch)
 from .parallelize_ep import shard_moe_layer
 
-__all__ = ["EPDispatcher", "EPMeta", "Meshes", "build_ep_dispatcher", "build_meshes", "dp_all_reduce", "exact_dispatch", "finish_grads_",
-           "init_distributed", "link_capacity", "local_expert_count", "must_invalidate", "parallelize_model",
-           "shard_moe_layer", "worst_case_dispatch"]
+__all__ = ["EPDispatcher", "EPMeta", "Meshes", "build_ep_dispatcher", "build_meshes", "dp_all_reduce",
+           "exact_dispatch", "finish_grads_", "init_distributed", "link_capacity", "local_expert_count",
+           "must_invalidate", "parallelize_model", "shard_moe_layer", "worst_case_dispatch"]

@@ -149,7 +149,8 @@ class MoELayer(nn.Module):
                 out_sq = expert_out_sq(y_RD, batch.offsets_E, batch.weights_R)
                 if meta.num_local < self.cfg.num_experts:  # expert parallel: this rank's experts only
                     first = meta.first_expert
-                    out_sq = torch.nn.functional.pad(out_sq, (first, self.cfg.num_experts - first - meta.num_local))
+                    last = self.cfg.num_experts - first - meta.num_local
+                    out_sq = torch.nn.functional.pad(out_sq, (first, last))
                 extra["out_sq_E"] = out_sq
                 extra["router_entropy"], extra["top1_top2_ratio"] = router_summaries(probs_TE)
             if self.cfg.router.strategy == "expert_threshold":
