@@ -85,7 +85,7 @@ class EPMeta(DispatchMeta):
     # destination side
     row_n: torch.Tensor  # GEMM buffer row of each received pair slot (no de-dup)
     valid_n: torch.Tensor
-    src_R: torch.Tensor | None  # de-dup: received row of each GEMM row; B = none (padding)
+    src_R: torch.Tensor | None  # de-dup (None: without): received row of each GEMM row; B = none
     presum_bags: tuple[torch.Tensor, torch.Tensor] | None  # de-dup: GEMM rows grouped by received row
     rows_recv: int  # de-dup: B, received token rows
     # the return trip: splits (exact) or None (buffered, fixed)
@@ -239,21 +239,23 @@ class EPDispatcher:
                 x_recv = comm.all_to_all_fixed(take(x_PD, q_n, sent_n), self.group, zero_row=True)
                 w_recv = comm.all_to_all_fixed(take(w_q[:, None], q_n, sent_n), self.group, zero_row=True)
                 bytes_sent = x_TD.new_full((), Pn * C * (D * es + _WEIGHT_BYTES), dtype=torch.int64)
-                slot_q = rank_q * C + src.j_q
                 n_back = Pn * C
+                slot_P = (rank_q * C + src.j_q)[plan.row_of_P]
                 seg = torch.cat([token_q, token_q.new_full((1,), T)])[torch.where(sent_n, q_n, Q)]
             else:
                 n_back = sum(send_pairs)
                 x_recv = comm.all_to_all(x_PD[:n_back], recv_pairs, send_pairs, self.group, zero_row=True)
                 w_recv = comm.all_to_all(w_q[:n_back, None], recv_pairs, send_pairs, self.group, zero_row=True)
                 bytes_sent = kept_P.sum() * (D * es + _WEIGHT_BYTES)
-                slot_q = torch.arange(Q, device=dev)
+                slot_P = plan.row_of_P  # the pairs went (and come back) in plan row order
                 seg = token_q[:n_back]
             w_n = w_recv.view(-1)
             # the returned pairs arrive in the order they left (plus the zero row): pair p of the
             # token-major [T, K] reads its slot, or the zero row n_back when it was not sent
-            keep_P = keep_q[plan.row_of_P] if plan.valid_P is None else keep_q[plan.row_of_P] & plan.valid_P
-            row_P = torch.where(keep_P, slot_q[plan.row_of_P], n_back)
+            keep_P = keep_q[plan.row_of_P]
+            if plan.mask_P is not None:  # an invalid pair's row_of_P is row 0, another pair's
+                keep_P = keep_P & plan.mask_P
+            row_P = torch.where(keep_P, slot_P, n_back)
             back_seg = torch.cat([seg, seg.new_full((1,), T)])
             back_bags = (row_P, torch.arange(T + 1, device=dev) * K)
         if buffered:
@@ -290,8 +292,8 @@ class EPDispatcher:
 
     def combine(self, y_RD: torch.Tensor, meta: EPMeta) -> torch.Tensor:
         """The rows back to their tokens, an unweighted sum (the experts applied the weights)."""
-        buffered = meta.splits_back is None
-        if self.dedup:
+        buffered, dedup = meta.splits_back is None, meta.src_R is not None
+        if dedup:
             # Pre-sum: add every GEMM row into its received row (padding rows go to row B, cut off;
             # a NaN in an unused row lands there too).
             y_send = BagSum.apply(y_RD, meta.src_R, meta.presum_bags, meta.rows_recv)
@@ -303,10 +305,10 @@ class EPDispatcher:
         else:
             y_send = y_RD.index_select(0, meta.row_n)  # exact mode: every slot holds a pair
         if buffered:
-            y_back = comm.all_to_all_fixed(y_send, self.group, zero_row=not self.dedup)
+            y_back = comm.all_to_all_fixed(y_send, self.group, zero_row=not dedup)
         else:
             out_splits, in_splits = meta.splits_back
-            y_back = comm.all_to_all(y_send, out_splits, in_splits, self.group, zero_row=not self.dedup)
+            y_back = comm.all_to_all(y_send, out_splits, in_splits, self.group, zero_row=not dedup)
         # de-dup: one row per (token, rank) came back, in rank order; without: one per kept pair,
         # summed in slot order. Either way a per-token sum.
         return BagSum.apply(y_back, meta.back_seg, meta.back_bags, meta.num_tokens)
