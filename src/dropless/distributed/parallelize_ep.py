@@ -3,9 +3,9 @@
 The model code stays single-device: `shard_moe_layer` keeps this rank's slice of the stacked expert
 weights (rank r of the group owns experts [r*L, (r+1)*L), L = E/P) and installs an EPDispatcher built
 by `build_ep_dispatcher` (the row alignment the experts declare, buffers sized from
-`parallel.max_tokens_per_rank`). The
-router (all E experts' logits) and the shared experts stay whole on every rank: they are replicated,
-and their gradients are summed over the data that each rank saw by the data-parallel reduction.
+`parallel.max_tokens_per_rank`). The router (all E experts' logits) and the shared experts stay whole
+on every rank: they are replicated, and their gradients are summed over the data that each rank saw
+by the data-parallel reduction.
 """
 
 from __future__ import annotations
