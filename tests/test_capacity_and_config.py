@@ -7,6 +7,7 @@ import torch
 
 from dropless.config import MoEConfig, RouterConfig, apply_overrides
 from dropless.layers.moe import MoELayer
+from tolerances import CAPACITY_EQUIV, assert_close
 
 
 def pair(**kw) -> tuple[MoELayer, MoELayer]:
@@ -21,18 +22,16 @@ def pair(**kw) -> tuple[MoELayer, MoELayer]:
 
 @pytest.mark.parametrize("backend", ["padded_bmm", "grouped_mm", "loop"])
 def test_large_capacity_equals_dropless(backend: str) -> None:
-    # Nothing drops, so every kept row meets the same weights. The loop backend computes each expert
-    # as one matmul of its rows in both layouts (the same rows in the same order), so it is bit-exact;
-    # the batched kernels may block the padded layout differently, so those get the fp32 table entry.
+    # Nothing drops, so every kept row meets the same weights; but an expert's GEMM runs over C rows in
+    # the capacity layout and over its count in the dropless one, and the BLAS rounds a row by the
+    # rows around it on some kernel paths (MKL AVX2: not bit-exact even for the loop backend), so the
+    # comparison is at that noise floor (tolerances.CAPACITY_EQUIV).
     dropless, capped = pair(backend="loop" if backend == "loop" else "grouped_mm")
     capped.experts.backend = backend
     x = torch.randn(30, 16)
     a, b = dropless(x), capped(x)
     assert int(b.stats.pairs_dropped) == 0
-    if backend == "loop":
-        assert torch.equal(a.y, b.y)
-    else:
-        torch.testing.assert_close(a.y, b.y, rtol=1e-5, atol=1e-5)
+    assert_close(b.y, a.y, CAPACITY_EQUIV, msg=backend)
 
 
 def test_small_capacity_drops_and_reports() -> None:

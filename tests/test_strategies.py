@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from dropless.config import MoEConfig, RouterConfig
+from dropless.layers.dispatch import DispatchMeta, LocalDispatcher
 from dropless.layers.moe import MoELayer
-from dropless.layers.router import Router
+from dropless.layers.router import Router, RoutingDecision
 from dropless.ops import permute as P
 from dropless.ops import routing
 from dropless.ops.activations import activation
@@ -95,6 +96,33 @@ def test_capacity_dropped_pair_gets_no_input_gradient() -> None:
     P.permute(x, plan).sum().backward()
     assert torch.equal(x.grad[1:], torch.zeros(3, 3))
     assert torch.equal(x.grad[0], torch.ones(3))
+
+
+@pytest.mark.parametrize("kind", ["dropless", "masked", "capacity"])
+def test_local_dispatcher_contract(kind: str) -> None:
+    # The experts get each row's routing weight (0 on padding, none for an invalid or dropped pair)
+    # and combine is an unweighted sum of a token's rows: ones in every row give each token its
+    # number of computed pairs. The metadata is the typed base with the whole expert range.
+    T, E, K, D = 11, 5, 3, 4
+    g = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g)
+    valid = torch.rand(T, K, generator=g) < 0.6 if kind == "masked" else None
+    disp = LocalDispatcher(E, align=4, capacity_factor=0.5 if kind == "capacity" else None)
+    dec = RoutingDecision(ids, w, torch.zeros(T, E), torch.zeros(T, E), valid)
+    batch, meta = disp.dispatch(torch.randn(T, D, generator=g), dec)
+    assert isinstance(meta, DispatchMeta) and (meta.first_expert, meta.num_local) == (0, E)
+    mask = meta.plan.mask_P
+    kept = torch.ones(T * K, dtype=torch.bool) if mask is None else mask
+    assert int(meta.pairs_dropped) == (0 if kind != "capacity" else T * K - int(kept.sum()))
+    want_R = torch.zeros(batch.x_RD.shape[0])
+    want_R[meta.plan.row_of_P[kept]] = w.reshape(-1)[kept]
+    assert torch.equal(batch.weights_R, want_R)
+    y = disp.combine(torch.ones(batch.x_RD.shape[0], D), meta)
+    assert torch.equal(y, kept.view(T, K).sum(1, keepdim=True).float().expand(T, D))
+    if kind == "masked":
+        with pytest.raises(ValueError, match="capacity baseline"):
+            LocalDispatcher(E, capacity_factor=1.0).dispatch(torch.randn(T, D), dec)
 
 
 # --- expert choice ------------------------------------------------------------------------------

@@ -59,6 +59,14 @@ DENSE_EQUIV = Tol(1e-6, 1e-7)
 # E=8, K=2, F=16); 3e-2 is 2.5x that. atol: one bf16 rounding of an O(1) value.
 BF16_VS_FP32 = Tol(3e-2, 1e-3)
 
+# The capacity layout against the dropless one when nothing drops (tests/test_capacity_and_config.py):
+# the same rows meet the same weights, but each expert's GEMM runs over C rows (its pairs plus zero
+# padding) instead of its count, and the padded bmm blocks differently from the grouped GEMM. The BLAS
+# rounds a row by the rows around it and the kernel path (see EP_REDUCED): measured 0 on the default
+# and MKL_ENABLE_INSTRUCTIONS=AVX512 paths of an AMX machine, up to 2.6e-7 of the largest output under
+# AVX2 (20 seeds, every backend). One fp32 rounding step of the largest entry, with 4x margin.
+CAPACITY_EQUIV = (1e-6, 1e-6)
+
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: Tol | tuple[float, float] | None = None,
                  msg: str = "", *, terms: torch.Tensor | None = None) -> None:
@@ -133,6 +141,20 @@ ADAMW_BF16_REL_DISPLACEMENT = 0.02
 # 2e-6 relative to the tensor's largest entry. A rerun of the same configuration on the same machine is
 # still bit-identical (tests/train: reruns and resume compare with torch.equal on one process).
 EP_REDUCED = (2e-6, 2e-6)
+
+# Expert parallelism vs the single-process layer with low-precision expert GEMMs (ops.quant_gemm):
+# the same floor as EP_REDUCED, not the quantisation floor, because every quantised operand is the
+# same bits in both runs. An EP destination lays out expert e's rows exactly as the one-process plan
+# does on the global batch (source-major = token order, padded to the token block at the group end),
+# so every block-scaled operand (x and dy along D, their 32-token wgrad blocks, the per-expert
+# weights) sees the same numbers, and the emulated GEMM multiplies the same matrices per expert. The
+# one input that would differ is the routing weight (the router's fp32 GEMM on a slice vs the whole
+# batch: see EP_REDUCED), and a weight one ulp off can move an activation across an E4M3 rounding
+# boundary, a whole quantum (~6%) at once; the test feeds the router exact dyadic inputs (every logit
+# an exact sum in any order), so the weights are the same bits too. What remains is the EP
+# re-association of sums after the last quantisation (de-dup's per-rank sums, the replicated router's
+# gradient over ranks, the input gradient over ranks): fp32 noise.
+EP_LOWP = EP_REDUCED
 
 # Distributed training (EP + FSDP2, 4 gloo ranks, fp32) against one process with 4x the gradient
 # accumulation, over 20 steps of the tiny config (tests/distributed/test_parallel_train.py). The data are

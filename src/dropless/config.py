@@ -12,7 +12,7 @@ Design:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -214,6 +214,10 @@ class ParallelConfig:
     ragged_buffer_factor: float = 2.0
     overflow_check_every: int = 20  # buffered mode: steps between host checks of the overflow counter
     retry_on_overflow: bool = True  # buffered mode: rerun an overflowing step with worst-case buffers
+    # buffered mode: the most tokens one rank holds in a micro-batch, the bound every rank sizes its
+    # fixed all-to-all buffers from (ranks may hold fewer; more is a ValueError from the shape).
+    # 0 = the trainer's micro-batch, train.batch_size * train.seq_len
+    max_tokens_per_rank: int = 0
 
     def __post_init__(self) -> None:
         self.validate("parallel")
@@ -229,11 +233,36 @@ class ParallelConfig:
         _positive(f"{prefix}.overflow_check_every", self.overflow_check_every)
         if not isinstance(self.retry_on_overflow, bool):
             _fail(f"{prefix}.retry_on_overflow", self.retry_on_overflow, "must be true or false")
+        if isinstance(self.max_tokens_per_rank, bool) or not isinstance(self.max_tokens_per_rank, int) \
+                or self.max_tokens_per_rank < 0:
+            _fail(f"{prefix}.max_tokens_per_rank", self.max_tokens_per_rank,
+                  "must be an int >= 0 (0 = the micro-batch)")
 
     def check_experts(self, num_experts: int, prefix: str = "parallel") -> None:
         """E experts must split evenly over ep_size ranks."""
         if num_experts % self.ep_size:
             _fail(f"{prefix}.ep_size", self.ep_size, f"does not divide num_experts={num_experts}")
+
+    def check_run(self, moe: MoEConfig, train: TrainConfig) -> None:
+        """The combinations with the model and the trainer that would otherwise fail at the first
+        forward (or when the trainer starts), refused at validation."""
+        self.check_experts(moe.num_experts)
+        if self.ep_size > 1 and moe.capacity_factor is not None:
+            _fail("parallel.ep_size", self.ep_size, f"with model.moe.capacity_factor={moe.capacity_factor}: "
+                  "expert parallelism is dropless; the capacity baseline is single-device only")
+        tokens = train.batch_size * train.seq_len
+        if self.ep_mode == "buffered" and 0 < self.max_tokens_per_rank < tokens:
+            _fail("parallel.max_tokens_per_rank", self.max_tokens_per_rank,
+                  f"is below a micro-batch, train.batch_size * train.seq_len = {tokens}: every step would "
+                  "overrun the buffered EP bound (0 = the micro-batch)")
+        if self.ep_mode == "buffered" and train.optimizer != "adamw":
+            _fail("parallel.ep_mode", self.ep_mode, f"with train.optimizer={train.optimizer!r}: the buffered "
+                  "overflow guard undoes a skipped step through AdamW's eagerly created state; use "
+                  "train.optimizer='adamw' or parallel.ep_mode='exact'")
+
+    def with_token_bound(self, tokens_per_micro_batch: int) -> ParallelConfig:
+        """A copy with max_tokens_per_rank filled in (0 -> the trainer's micro-batch tokens)."""
+        return replace(self, max_tokens_per_rank=self.max_tokens_per_rank or tokens_per_micro_batch)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -374,7 +403,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.train.seq_len > self.model.max_seq_len:
             _fail("train.seq_len", self.train.seq_len, f"exceeds model.max_seq_len={self.model.max_seq_len}")
-        self.parallel.check_experts(self.model.moe.num_experts)
+        self.parallel.check_run(self.model.moe, self.train)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:

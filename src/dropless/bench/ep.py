@@ -2,10 +2,11 @@
 
 Spawns --nproc gloo processes (CPU; one thread each) that route T tokens each, top-k of E experts
 from random logits (balanced in expectation), and time, interleaved in one run:
-- dispatch + combine of the EPDispatcher (identity experts: the rows come straight back), per mode
-  (exact, buffered) and with de-dup on and off;
+- dispatch + combine of the EPDispatcher (identity experts: the rows come straight back; the routing
+  weights, which the experts apply, are left out), per mode (exact, buffered), de-dup on and off;
 - the raw `all_to_all_single` calls moving the same bytes with the same splits (rows out, the
-  de-dup metadata out, rows back) into preallocated buffers: the floor the dispatcher can approach.
+  pair metadata out (routing weights; with de-dup also row indices), rows back) into preallocated
+  buffers: the floor the dispatcher can approach.
 Reported per variant: median ms (the slowest rank's median), their ratio, and the bytes the dispatch
 trip sends summed over ranks, with and without de-dup. Targets (issue): de-dup saves about half the
 bytes at E=64, k=8, EP=4; dispatch + combine within 1.3x of the raw collectives.
@@ -26,6 +27,7 @@ import torch.multiprocessing as mp
 
 from ..cpu_alloc import keep_freed_memory
 from ..distributed.ep import EPDispatcher, link_capacity
+from ..layers.router import RoutingDecision
 from .timing import format_table, interleaved
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -64,14 +66,14 @@ def _raw_fns(x_TD: torch.Tensor, ids_TK: torch.Tensor, disp: EPDispatcher, facto
         C = link_capacity(T, K, L, P, factor)
         rows_s = rows_r = [min(C, T) if disp.dedup else C] * P
         pairs_s = pairs_r = [C] * P
+    meta_width = 2 if disp.dedup else 1  # (weight, row index) per pair, or the weight alone
     bufs = [x_TD.new_empty(sum(rows_s), D), x_TD.new_empty(sum(rows_r), D),
-            torch.empty(sum(pairs_s), 2), torch.empty(sum(pairs_r), 2)]
+            torch.empty(sum(pairs_s), meta_width), torch.empty(sum(pairs_r), meta_width)]
     counts = [torch.zeros(P * (L + 1), dtype=torch.int64), torch.empty(P * (L + 1), dtype=torch.int64)]
 
     def data() -> None:
         dist.all_to_all_single(bufs[1], bufs[0], rows_r, rows_s, group=g)
-        if disp.dedup:
-            dist.all_to_all_single(bufs[3], bufs[2], pairs_r, pairs_s, group=g)
+        dist.all_to_all_single(bufs[3], bufs[2], pairs_r, pairs_s, group=g)
         dist.all_to_all_single(bufs[0], bufs[1], rows_s, rows_r, group=g)
 
     def everything() -> None:
@@ -91,16 +93,19 @@ def _worker(rank: int, args: argparse.Namespace, store: str, out_path: str) -> N
     T, E, K, D = args.tokens, args.experts, args.top_k, args.dim
     x_TD = torch.randn(T, D, generator=gen).to(DTYPES[args.dtype])
     logits_TE = torch.randn(T, E, generator=gen)
-    weights_TK, ids_TK = torch.softmax(logits_TE, -1).topk(K, -1)
+    scores_TE = torch.softmax(logits_TE, -1)
+    weights_TK, ids_TK = scores_TE.topk(K, -1)
+    decision = RoutingDecision(ids_TK, weights_TK, scores_TE, logits_TE)
     fns: dict[str, Callable[[], object]] = {}
     stats: dict[str, dict[str, int]] = {}
     for mode in ("exact", "buffered"):
         for dedup in (True, False):
             name = f"{mode}{'+dedup' if dedup else ''}"
-            disp = EPDispatcher(E, None, mode=mode, dedup=dedup, ragged_buffer_factor=args.factor)
+            disp = EPDispatcher(E, None, mode=mode, dedup=dedup, ragged_buffer_factor=args.factor,
+                                max_tokens=T)
 
             def ep_fn(disp: EPDispatcher = disp) -> object:
-                batch, meta = disp.dispatch(x_TD, ids_TK, weights_TK)
+                batch, meta = disp.dispatch(x_TD, decision)
                 return disp.combine(batch.x_RD, meta), meta
 
             with torch.no_grad():

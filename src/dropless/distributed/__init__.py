@@ -1,10 +1,10 @@
 """dropless.distributed: expert parallelism and FSDP2 on torch.distributed (design: docs/ep.md)."""
 
-from .ep import EPDispatcher, EPMeta, link_capacity, local_expert_count, must_invalidate
+from .ep import EPDispatcher, EPMeta, build_ep_dispatcher, link_capacity, local_expert_count, must_invalidate
 from .parallelize import (Meshes, build_meshes, dp_all_reduce, exact_dispatch, finish_grads_, init_distributed,
                           parallelize_model, worst_case_dispatch)
 from .parallelize_ep import shard_moe_layer
 
-__all__ = ["EPDispatcher", "EPMeta", "Meshes", "build_meshes", "dp_all_reduce", "exact_dispatch", "finish_grads_",
-           "init_distributed", "link_capacity", "local_expert_count", "must_invalidate", "parallelize_model",
-           "shard_moe_layer", "worst_case_dispatch"]
+__all__ = ["EPDispatcher", "EPMeta", "Meshes", "build_ep_dispatcher", "build_meshes", "dp_all_reduce",
+           "exact_dispatch", "finish_grads_", "init_distributed", "link_capacity", "local_expert_count",
+           "must_invalidate", "parallelize_model", "shard_moe_layer", "worst_case_dispatch"]

@@ -1,9 +1,11 @@
 """Apply expert parallelism from outside to a MoE layer built for one device.
 
 The model code stays single-device: `shard_moe_layer` keeps this rank's slice of the stacked expert
-weights (rank r of the group owns experts [r*L, (r+1)*L), L = E/P) and installs an EPDispatcher. The
-router (all E experts' logits) and the shared experts stay whole on every rank: they are replicated,
-and their gradients are summed over the data that each rank saw by the data-parallel reduction.
+weights (rank r of the group owns experts [r*L, (r+1)*L), L = E/P) and installs an EPDispatcher built
+by `build_ep_dispatcher` (the row alignment the experts declare, buffers sized from
+`parallel.max_tokens_per_rank`). The router (all E experts' logits) and the shared experts stay whole
+on every rank: they are replicated, and their gradients are summed over the data that each rank saw
+by the data-parallel reduction.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from torch.distributed import ProcessGroup
 
 from ..config import ParallelConfig
 from ..layers.moe import MoELayer
-from .ep import EPDispatcher, local_expert_count
+from .ep import build_ep_dispatcher, local_expert_count
 
 
 def shard_moe_layer(layer: MoELayer, group: ProcessGroup | None,
@@ -31,10 +33,13 @@ def shard_moe_layer(layer: MoELayer, group: ProcessGroup | None,
     E = layer.cfg.num_experts
     L = local_expert_count(E, world)
     experts = layer.experts
+    # built first, so a refused configuration leaves the layer whole; the factory gives it the row
+    # alignment the experts declare, as the local dispatcher has
+    dispatcher = build_ep_dispatcher(layer.cfg, experts, cfg, group)
     with torch.no_grad():
         for name in ("w_gate_up_EDF", "w_down_EFD"):
             full = getattr(experts, name)
             local = full[rank * L:(rank + 1) * L].detach().clone()
             setattr(experts, name, nn.Parameter(local, requires_grad=full.requires_grad))
-    layer.dispatcher = EPDispatcher.from_config(cfg, E, layer.cfg.align, group)
+    layer.dispatcher = dispatcher
     return layer

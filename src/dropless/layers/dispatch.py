@@ -1,85 +1,107 @@
 """Dispatchers: move (token, expert) pairs to the experts and their results back.
 
-Legend: T tokens, K experts per token, D model width, R rows in expert order.
+Legend: T tokens, K slots per token, D model width, E experts, R rows in expert order.
 
-A dispatcher is a plain object with `dispatch(x_TD, ids_TK, weights_TK, valid_TK=None) ->
-(ExpertBatch, meta)` and `combine(y_RD, meta) -> y_TD`. `valid_TK` (bool) marks real pairs when the
-routing strategy gives tokens a variable number of experts (expert choice, expert threshold); None
-means every slot is a pair. A dispatcher that cannot honour a mask must refuse it, never ignore it. The metadata is a frozen dataclass that carries everything combine
-needs, so one dispatcher object serves every layer and every micro-batch. The experts module sees only
-an ExpertBatch and never knows whether the rows came from this process or from other ranks: the
-expert-parallel dispatcher (dropless.distributed.ep) implements the same two methods.
+The contract, one for every dispatcher (this file's LocalDispatcher, and the expert-parallel
+EPDispatcher in dropless.distributed.ep):
 
-Folded weights (`fold_weights=True`, what MoELayer asks for): dispatch also hands the experts each
-row's combine weight (`ExpertBatch.weights_R`), the experts multiply it into their activation, and
-combine becomes an unweighted sum of each token's rows (`permute.unpermute`). Same result, but the
-weighting touches [R, F] activations instead of [R, D] outputs and combine keeps no [T, K, D] tensor
-for its backward. Off by default, because it needs experts that honour `weights_R`.
+    dispatch(x_TD, decision: RoutingDecision) -> (ExpertBatch, DispatchMeta)
+    combine(y_RD, meta) -> y_TD
+
+- `dispatch` takes the router's whole decision (ids, weights, validity mask), so no path can forget
+  the mask: an invalid slot (expert choice, expert threshold) gets no row, no traffic, weight 0.
+  A dispatcher that cannot honour a mask refuses it (the capacity baseline), never ignores it.
+- The metadata derives from `DispatchMeta`, a frozen dataclass with what the layer reads for its
+  statistics (pairs dropped, the EP link demand, the slice of experts the batch holds); the rest is
+  what combine needs. So one dispatcher object serves every layer and every micro-batch, and the
+  experts never know whether their rows came from this process or from other ranks.
+- The routing weight is applied in ONE place for every path: in the experts. dispatch hands them
+  each row's weight (`ExpertBatch.weights_R`, 0 on padding rows), GroupedExperts multiplies it into
+  the activation before the down GEMM ((w * h) @ W = w * (h @ W)), and combine is an unweighted sum
+  of each token's rows (`permute.unpermute`, the adjoint of permute). Why there: the weighting
+  touches [R, F] activations inside the fused SwiGLU instead of [R, D] outputs, combine keeps
+  nothing but indices for its backward (a gather), and an EP destination can pre-sum a token's rows
+  without knowing any weight. The EP dispatcher sends each pair's weight along with the pair,
+  through a differentiable all-to-all, so the router's gradient comes back the same way.
+- Row alignment: the experts declare what their GEMMs need (`GroupedExperts.row_align`: a
+  low-precision recipe's token block, else 1); `dispatch_align` combines it with `moe.align`, and
+  both factories (`build_dispatcher` here, `distributed.ep.build_ep_dispatcher`) take it from there.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from ..config import MoEConfig
 from ..ops import permute as P
-from .experts import ExpertBatch
+from .experts import ExpertBatch, GroupedExperts
+from .router import RoutingDecision
 
 
-@dataclass(frozen=True)
-class LocalMeta:
+@dataclass(frozen=True, kw_only=True)
+class DispatchMeta:
+    """What every dispatcher's metadata tells the layer (device scalars stay on the device)."""
+
+    pairs_dropped: torch.Tensor  # int64 scalar: valid pairs that got no row (capacity, EP overflow)
+    first_expert: int  # global index of the first expert of the batch's groups
+    num_local: int  # groups in ExpertBatch.offsets_E: experts [first_expert, first_expert + num_local)
+    link_demand: torch.Tensor | None = None  # int64 scalar: EP, most pairs routed over one link
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalMeta(DispatchMeta):
     plan: P.RoutingPlan
-    weights_TK: torch.Tensor
-    weights_folded: bool = False  # the experts already multiplied each row by its weight
-
-    @property
-    def pairs_dropped(self) -> torch.Tensor:
-        return self.plan.pairs_dropped()
 
 
 class Dispatcher(Protocol):
-    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
-                 valid_TK: torch.Tensor | None = None) -> tuple[ExpertBatch, object]: ...
+    def dispatch(self, x_TD: torch.Tensor, decision: RoutingDecision) -> tuple[ExpertBatch, DispatchMeta]: ...
 
-    def combine(self, y_RD: torch.Tensor, meta: object) -> torch.Tensor: ...
-
-# Every meta object exposes `pairs_dropped` (an int64 device scalar) for the layer's statistics.
+    def combine(self, y_RD: torch.Tensor, meta: DispatchMeta) -> torch.Tensor: ...
 
 
 class LocalDispatcher:
-    """Single-device dispatch: a routing plan, a gather into expert order, a weighted gather back.
+    """Single-device dispatch: a routing plan, a gather into expert order, an unweighted sum back.
 
     Dropless by default (capacity_factor None): every pair gets a row and no host sync happens.
     With a capacity factor it is the capacity baseline: C rows per expert, the overflow dropped.
     """
 
     def __init__(self, num_experts: int, align: int = 1, capacity_factor: float | None = None,
-                 drop_policy: str = "position", fold_weights: bool = False) -> None:
+                 drop_policy: str = "position") -> None:
         self.num_experts = num_experts
-        self.fold_weights = fold_weights
         self.align = align
         self.capacity_factor = capacity_factor
         self.drop_policy = drop_policy
 
-    def plan(self, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
-             valid_TK: torch.Tensor | None = None) -> P.RoutingPlan:
+    def plan(self, decision: RoutingDecision) -> P.RoutingPlan:
         if self.capacity_factor is None:
-            return P.make_plan(ids_TK, self.num_experts, self.align, valid_TK)
-        if valid_TK is not None:
+            return P.make_plan(decision.ids_TK, self.num_experts, self.align, decision.valid_TK)
+        if decision.valid_TK is not None:
             raise ValueError("the capacity baseline takes token-choice routing only (valid_TK given)")
-        return P.make_capacity_plan(ids_TK, weights_TK, self.num_experts, self.capacity_factor,
-                                    self.drop_policy, self.align)
+        return P.make_capacity_plan(decision.ids_TK, decision.weights_TK, self.num_experts,
+                                    self.capacity_factor, self.drop_policy, self.align)
 
-    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
-                 valid_TK: torch.Tensor | None = None) -> tuple[ExpertBatch, LocalMeta]:
-        plan = self.plan(ids_TK, weights_TK, valid_TK)
-        weights_R = P.permute_weights(weights_TK, plan) if self.fold_weights else None
+    def dispatch(self, x_TD: torch.Tensor, decision: RoutingDecision) -> tuple[ExpertBatch, LocalMeta]:
+        plan = self.plan(decision)
+        weights_R = P.permute_weights(decision.weights_TK, plan)
         batch = ExpertBatch(P.permute(x_TD, plan), plan.offsets_E, plan.capacity, weights_R)
-        return batch, LocalMeta(plan, weights_TK, self.fold_weights)
+        return batch, LocalMeta(pairs_dropped=plan.pairs_dropped(), first_expert=0,
+                                num_local=self.num_experts, plan=plan)
 
     def combine(self, y_RD: torch.Tensor, meta: LocalMeta) -> torch.Tensor:
-        if meta.weights_folded:
-            return P.unpermute(y_RD, meta.plan)
-        return P.combine(y_RD, meta.weights_TK, meta.plan)
+        return P.unpermute(y_RD, meta.plan)
+
+
+def dispatch_align(cfg: MoEConfig, experts: GroupedExperts) -> int:
+    """The row alignment of every dispatcher of this layer: `cfg.align` and the experts' own need."""
+    return math.lcm(cfg.align, experts.row_align)
+
+
+def build_dispatcher(cfg: MoEConfig, experts: GroupedExperts) -> LocalDispatcher:
+    """The single-device dispatcher of a layer (expert parallelism: distributed.ep.build_ep_dispatcher)."""
+    return LocalDispatcher(cfg.num_experts, dispatch_align(cfg, experts), cfg.capacity_factor,
+                           cfg.drop_policy)

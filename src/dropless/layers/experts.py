@@ -11,9 +11,15 @@ forward, dgrad and wgrad products quantised; emulated in fp32), whatever the bac
 Under CPU/GPU autocast the weights and rows are cast to the autocast dtype here, because torch's
 autocast does not cover grouped_mm and would otherwise leave the expert GEMMs in fp32.
 
-When the batch carries `weights_R` (a dispatcher that folds the combine weights, see
-layers/dispatch.py) row r of the activation is multiplied by weights_R[r] before the down GEMM:
-(w * h) @ W = w * (h @ W). SwiGLU without clamp or softcap takes the fused `weighted_swiglu`.
+The routing weights are applied here, for every dispatcher (layers/dispatch.py says why): row r of
+the activation is multiplied by the batch's weights_R[r] before the down GEMM, (w * h) @ W =
+w * (h @ W). SwiGLU without clamp or softcap takes the fused `weighted_swiglu`. A batch without
+weights (the experts called on their own) is unweighted.
+
+`row_align` is the row alignment the GEMMs need from a dispatcher: the low-precision recipes quantise
+the wgrad operands in blocks along tokens, so every expert group must be whole token blocks
+(`quant_gemm.plan_align`); full precision needs none. The dispatchers take it via
+`layers.dispatch.dispatch_align`.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ class ExpertBatch:
     x_RD: torch.Tensor
     offsets_E: torch.Tensor  # int32 group ends
     capacity: int | None = None  # rows per expert in the capacity layout
-    weights_R: torch.Tensor | None = None  # combine weight per row (0 on padding) if the experts apply it
+    weights_R: torch.Tensor | None = None  # routing weight per row (0 on padding); None = unweighted
 
 
 def resolve_backend(backend: str, capacity_mode: bool) -> str:
@@ -52,6 +58,7 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.kind, self.clamp, self.softcap, self.backend = kind, clamp, softcap, backend
         self.precision = precision
+        self.row_align = quant_gemm.plan_align(precision, 1)  # 1, or the recipe's token block
         if precision != quant_gemm.FULL_PRECISION:
             quant_gemm.check_widths(precision, d_model, d_expert)
         width = 2 * d_expert if is_gated(kind) else d_expert

@@ -22,12 +22,12 @@ import torch
 from torch import nn
 
 from ..config import MoEConfig
-from ..ops import quant_gemm, routing
+from ..ops import routing
 from . import balance
-from .dispatch import Dispatcher, LocalDispatcher
+from .dispatch import DispatchMeta, Dispatcher, build_dispatcher
 from .experts import ExpertBatch, GroupedExperts, resolve_backend
 from .mlp import MLP
-from .router import Router
+from .router import Router, RoutingDecision
 
 
 @dataclass(frozen=True)
@@ -64,9 +64,9 @@ def expert_out_sq(y_RD: torch.Tensor, offsets_E: torch.Tensor,
 
     Padding rows inside a group are zero rows in, zero rows out (every activation maps 0 to 0 and the
     experts have no bias), so they add nothing; rows past the last group end (uninitialised on the
-    grouped_mm path) are never read. When the dispatcher folded the combine
-    weights into the rows (`weights_R`), each row is divided by its weight first: the monitor wants
-    the expert's own output, not its weighted share (rows of weight 0 count zero).
+    grouped_mm path) are never read. The experts multiplied each row by its routing weight
+    (`weights_R`, see layers/dispatch.py), so each row is divided by its weight first: the monitor
+    wants the expert's own output, not its weighted share (rows of weight 0 count zero).
     """
     y = y_RD.detach().float()
     if weights_R is not None:
@@ -104,10 +104,9 @@ class MoELayer(nn.Module):
                                       cfg.act_clamp, cfg.act_softcap, backend, cfg.precision)
         self.shared = (MLP(d_model, cfg.shared_width, cfg.activation, cfg.act_clamp, cfg.act_softcap)
                        if cfg.shared_width else None)
-        # Low-precision wgrad blocks run along tokens: pad each expert's group to the token block.
-        align = quant_gemm.plan_align(cfg.precision, cfg.align)
-        self.dispatcher: Dispatcher = dispatcher or LocalDispatcher(
-            cfg.num_experts, align, cfg.capacity_factor, cfg.drop_policy, fold_weights=True)
+        # the experts declare the row alignment they need (low-precision token blocks); the factory
+        # (and its EP twin, distributed.ep.build_ep_dispatcher) honours it
+        self.dispatcher: Dispatcher = dispatcher or build_dispatcher(cfg, self.experts)
         self.detailed_stats = False  # set by the trainer on log steps
 
     def forward(self, x: torch.Tensor, replay_ids: torch.Tensor | None = None,
@@ -118,11 +117,7 @@ class MoELayer(nn.Module):
         x_TD = x.reshape(-1, shape[-1])
         replay_TK = replay_ids.reshape(-1, self.cfg.top_k) if replay_ids is not None else None
         decision = self.router(x_TD, replay_TK, token_ids)
-        if decision.valid_TK is None:
-            batch, meta = self.dispatcher.dispatch(x_TD, decision.ids_TK, decision.weights_TK)
-        else:
-            batch, meta = self.dispatcher.dispatch(x_TD, decision.ids_TK, decision.weights_TK,
-                                                   decision.valid_TK)
+        batch, meta = self.dispatcher.dispatch(x_TD, decision)
         y_RD = self.experts(batch)
         y_TD = self.dispatcher.combine(y_RD, meta)
         if self.shared is not None:
@@ -136,8 +131,7 @@ class MoELayer(nn.Module):
             # sequences are the second-to-last dim of x ([B, S, D]); a flat [T, D] input is one sequence
             seq_len = shape[-2] if len(shape) >= 3 else x_TD.shape[0]
             seq_aux = balance.sequence_aux_loss(probs_TE, decision.ids_TK, seq_len, decision.valid_TK)
-        stats = self._stats(decision, counts_E, probs_TE, meta.pairs_dropped, y_RD, batch,
-                            getattr(meta, "link_demand", None))
+        stats = self._stats(decision, counts_E, probs_TE, meta, y_RD, batch)
         return MoEOutput(
             y=y_TD.view(shape),
             aux_loss=aux,
@@ -147,16 +141,16 @@ class MoELayer(nn.Module):
             seq_aux_loss=seq_aux,
         )
 
-    def _stats(self, decision, counts_E: torch.Tensor, probs_TE: torch.Tensor, dropped: torch.Tensor,
-               y_RD: torch.Tensor, batch: ExpertBatch,
-               link_demand: torch.Tensor | None = None) -> MoEStats:
+    def _stats(self, decision: RoutingDecision, counts_E: torch.Tensor, probs_TE: torch.Tensor,
+               meta: DispatchMeta, y_RD: torch.Tensor, batch: ExpertBatch) -> MoEStats:
         extra: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             if self.detailed_stats:
                 out_sq = expert_out_sq(y_RD, batch.offsets_E, batch.weights_R)
-                if out_sq.numel() < self.cfg.num_experts:  # expert parallel: this rank's experts only
-                    first = getattr(self.dispatcher, "first_expert", 0)
-                    out_sq = torch.nn.functional.pad(out_sq, (first, self.cfg.num_experts - first - out_sq.numel()))
+                if meta.num_local < self.cfg.num_experts:  # expert parallel: this rank's experts only
+                    first = meta.first_expert
+                    last = self.cfg.num_experts - first - meta.num_local
+                    out_sq = torch.nn.functional.pad(out_sq, (first, last))
                 extra["out_sq_E"] = out_sq
                 extra["router_entropy"], extra["top1_top2_ratio"] = router_summaries(probs_TE)
             if self.cfg.router.strategy == "expert_threshold":
@@ -164,4 +158,5 @@ class MoELayer(nn.Module):
             if self.cfg.balance.quantile_balance:
                 extra["quantile_bias_E"] = balance.quantile_bias(
                     self.router.selection_base(decision), self.cfg.top_k)
-        return MoEStats(counts_E, counts_E.sum() - dropped, dropped, link_demand, **extra)
+        dropped = meta.pairs_dropped
+        return MoEStats(counts_E, counts_E.sum() - dropped, dropped, meta.link_demand, **extra)

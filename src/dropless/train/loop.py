@@ -84,7 +84,7 @@ class Trainer:
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.rank = dist.get_rank() if self.distributed else 0
         self.is_main = self.rank == 0
-        p = cfg.parallel
+        p = cfg.parallel.with_token_bound(t.batch_size * t.seq_len)  # buffered EP: the shared bound
         if not self.distributed and p.ep_size > 1:
             raise ValueError(f"parallel.ep_size={p.ep_size}: expert parallelism needs several processes "
                              "(dropless train --nproc N, or torchrun -m dropless.train)")
@@ -100,7 +100,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, t)
         self.overflow: OverflowGuard | None = None
         if self.distributed and p.ep_mode == "buffered" and self.model.moe_layers():
-            capacity = self.model.moe_layers()[0].dispatcher.capacity(t.batch_size * t.seq_len,
+            capacity = self.model.moe_layers()[0].dispatcher.capacity(p.max_tokens_per_rank,
                                                                      cfg.model.moe.top_k)
             self.overflow = OverflowGuard(self.optimizer, reduce, capacity, p.ragged_buffer_factor,
                                           p.overflow_check_every)
