@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from dropless.train import checkpoint as ckpt
 from dropless.train import dist_checkpoint
 from dropless.train.generate import load_model
 from dropless.train.loop import Trainer
+from dropless.train import run as run_module
 from dropless.train.run import main as train_main
 from tiny_run import tiny
 
@@ -47,13 +49,13 @@ def crash_at(trainer: Trainer, crash_step: int, monkeypatch: pytest.MonkeyPatch)
 
 def test_routing_log_is_exact_when_a_checkpoint_falls_inside_a_log_interval(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # log steps 0, 2, 5, 8, 11, ...; checkpoints after steps 5, 10, 15: the step-10 checkpoint holds
-    # step 9 of the interval 9..11, which the step-11 row must still count after a resume
-    extra = ("log.log_every=3", "train.ckpt_every=5", "train.keep_last=5")
+    # log steps 0, 2, 5, 8, 11; checkpoints after steps 5, 10, 12: the step-10 checkpoint holds step 9
+    # of the interval 9..11, which the step-11 row must still count after a resume
+    extra = ("train.steps=12", "log.log_every=3", "train.ckpt_every=5", "train.keep_last=5")
     full = tmp_path / "full"
     Trainer(tiny(*extra), full).fit()
     broken = tmp_path / "broken"
-    crash_at(Trainer(tiny(*extra), broken), 12, monkeypatch)
+    crash_at(Trainer(tiny(*extra), broken), 11, monkeypatch)
     assert ckpt.latest_checkpoint(broken).name == ckpt.checkpoint_name(10)
     Trainer(tiny(*extra), broken, resume=True).fit()
     assert rows(full, "loss") == rows(broken, "loss")
@@ -112,6 +114,11 @@ def test_resume_continues_with_the_runs_own_config(tmp_path: Path, config_file: 
     full, run = tmp_path / "full", tmp_path / "k1"
     start = ["--config", str(config_file), "--set", "train.steps=4", "--set", "model.moe.top_k=1"]
     assert train_main([*start, "--run-dir", str(full)]) == 0
+    summary = (full / "summary.json").read_text()
+    capsys.readouterr()
+    assert train_main(["--run-dir", str(full), "--resume"]) == 0  # a finished run: nothing to do
+    assert "nothing to train: the run is complete at step 4" in capsys.readouterr().out
+    assert (full / "summary.json").read_text() == summary
     assert train_main([*start, "--run-dir", str(run)]) == 0
     shutil.rmtree(run / "checkpoints" / ckpt.checkpoint_name(4))  # as if killed before that save
     assert train_main(["--run-dir", str(run), "--resume"]) == 0
@@ -169,7 +176,8 @@ def test_resume_allows_the_documented_model_fields_and_logs_every_change(
 
 
 def test_config_flag_is_ignored_on_resume_with_a_note(tmp_path: Path, config_file: Path,
-                                                      capsys: pytest.CaptureFixture) -> None:
+                                                      capsys: pytest.CaptureFixture,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     run = tmp_path / "run"
     assert train_main(["--config", str(config_file), "--set", "train.steps=2", "--set", "model.moe.top_k=1",
                        "--run-dir", str(run)]) == 0
@@ -183,6 +191,19 @@ def test_config_flag_is_ignored_on_resume_with_a_note(tmp_path: Path, config_fil
     # a --config that matches the run's config says nothing
     assert train_main(["--config", str(run / "config.toml"), "--run-dir", str(run), "--resume"]) == 0
     assert "ignored" not in capsys.readouterr().err
+
+    # --nproc: the launcher checks the config and says it once, then starts the ranks without --config
+    launched: list[list[str]] = []
+    monkeypatch.setattr(run_module.subprocess, "run",
+                        lambda cmd, env: launched.append(cmd) or SimpleNamespace(returncode=0))
+    assert train_main(["--nproc", "2", "--config", str(config_file), "--resume", "--run-dir", str(run),
+                       "--set", "train.steps=5"]) == 0
+    assert "is ignored on --resume" in capsys.readouterr().err
+    cmd = launched[0]
+    assert "--config" not in cmd and cmd[-2:] == ["--run-dir", str(run)]
+    assert cmd[cmd.index("dropless.train") + 1:-2] == ["--resume", "--set", "train.steps=5"]
+    assert train_main(["--nproc", "2", "--resume", "--run-dir", str(run), "--set", "model.moe.top_k=2"]) == 2
+    assert len(launched) == 1  # refused before any process started
 
 
 # -- one checkpoint format -------------------------------------------------------------------------
@@ -203,12 +224,12 @@ def test_one_process_writes_the_format_every_world_size_reads(tmp_path: Path) ->
 def test_older_one_process_checkpoints_still_resume_and_generate(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     full = tmp_path / "full"
-    Trainer(tiny(), full).fit()
+    Trainer(tiny("train.steps=12"), full).fit()
     # the format one process wrote before: one torch.save file with model and optimizer inside
     dcp_run = tmp_path / "dcp"
-    crash_at(Trainer(tiny(), dcp_run), 14, monkeypatch)
+    crash_at(Trainer(tiny("train.steps=12"), dcp_run), 11, monkeypatch)
     saved = dist_checkpoint.trainer_state(ckpt.latest_checkpoint(dcp_run))
-    loaded = Trainer(tiny(), dcp_run, resume=True)
+    loaded = Trainer(tiny("train.steps=12"), dcp_run, resume=True)
     legacy = tmp_path / "legacy"
     legacy.mkdir()
     for name in ("metrics.jsonl", "routing.jsonl", "config.toml"):
@@ -219,6 +240,6 @@ def test_older_one_process_checkpoints_still_resume_and_generate(
         "model": loaded.model.state_dict(), "optimizer": loaded.optimizer.state_dict()})
     model, _ = load_model(legacy)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in loaded.model.state_dict().items())
-    Trainer(tiny(), legacy, resume=True).fit()
+    Trainer(tiny("train.steps=12"), legacy, resume=True).fit()
     assert rows(full, "loss") == rows(legacy, "loss")
     assert ckpt.is_dcp_checkpoint(ckpt.latest_checkpoint(legacy))  # its next checkpoint: the new format

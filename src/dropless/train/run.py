@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..config import RunConfig, from_dict, load_config, to_dict
 from . import checkpoint as ckpt
@@ -39,6 +39,9 @@ from . import resume
 
 PRESETS = Path(__file__).resolve().parent.parent / "presets"
 DEFAULT_PRESET = "tiny"
+
+if TYPE_CHECKING:
+    from .loop import Trainer
 
 
 def preset_path(name: str) -> Path:
@@ -152,14 +155,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if trainer.is_main:
         print(f"run directory: {run_dir}")
+    if trainer.start_step >= cfg.train.steps:  # a finished run: keep its summary, say how to extend it
+        if trainer.is_main:
+            print(f"nothing to train: the run is complete at step {trainer.start_step} "
+                  f"(--set train.steps=N with N > {trainer.start_step} trains longer)")
+        _finish(trainer)
+        return 0
     summary = trainer.fit()
     if trainer.is_main:
         print(json.dumps(summary, indent=2))
+    _finish(trainer)
+    return 0
+
+
+def _finish(trainer: "Trainer") -> None:
     if trainer.distributed:
         import torch.distributed as dist
 
         dist.destroy_process_group()
-    return 0
 
 
 def _prepare(args: argparse.Namespace, path: Path) -> tuple[Path, RunConfig]:
