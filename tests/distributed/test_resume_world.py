@@ -38,6 +38,10 @@ def max_rel(got: list[float], ref: list[float]) -> float:
     return max(abs(a - b) / abs(b) for a, b in zip(got, ref))
 
 
+def routing_steps(run_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "routing.jsonl").read_text().splitlines()]
+
+
 class _Stop(Exception):
     pass
 
@@ -93,5 +97,4 @@ def test_checkpoint_resumes_at_any_world_size_1_4_2(tmp_path: Path) -> None:
         (4, 1, 4, {"parallel.ep_size": [1, 2], "train.grad_accum": [4, 1]}),
         (8, 4, 2, {"parallel.ep_size": [2, 1], "train.grad_accum": [1, 2]}),
     ]
-    routing_steps = lambda d: [json.loads(x)["step"] for x in (d / "routing.jsonl").read_text().splitlines()]  # noqa: E731
     assert routing_steps(run) == routing_steps(one)

@@ -30,7 +30,7 @@ written at (ep, edp) = (2, 2) loads at (2, 1), (1, 2), or one process's plain [E
 
 RNG: rank 0's generator states are saved and every rank restores them (training draws no random
 numbers on the device path; batches are a function of (seed, step, micro-step)). The routing
-accumulators are per rank: `gather_to_rank0` collects them for trainer.pt, and
+accumulators are per rank: `gather_health` collects them for trainer.pt, and
 `StepAccumulator.state_for_rank` hands them back, resharded when the world size changed.
 """
 
@@ -141,9 +141,18 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.opti
 def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
          experts: Sequence[str] = (), meshes: Meshes | None = None) -> dict[str, Any]:
     """Fill model and optimizer from a checkpoint written at any world size (collective with
-    `meshes`); returns the trainer state (step, RNG, ...)."""
+    `meshes`), or from an older one-process `state.pt` (one process only); returns the trainer state
+    (step, RNG, ...)."""
     if not (Path(path) / ckpt.COMPLETE_MARKER).is_file():
         raise ValueError(f"load: {str(path)!r} has no {ckpt.COMPLETE_MARKER} marker (unfinished save)")
+    if not ckpt.is_dcp_checkpoint(path):
+        if meshes is not None:
+            raise ValueError(f"--resume: {path} is an older one-process checkpoint (state.pt); resume it "
+                             "in one process (its next checkpoint is in the format every world size reads)")
+        state = ckpt.load_checkpoint(path)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        return state
     state = _state_dicts(model, optimizer, experts, meshes)
     _dcp(dcp.load, state, Path(path), meshes is not None)
     model_sd, optim_sd = state["model"], state["optim"]
@@ -172,10 +181,12 @@ def trainer_state(path: Path) -> dict[str, Any]:
     return ckpt.load_checkpoint(path)
 
 
-def gather_to_rank0(obj: Any) -> list[Any] | None:
-    """Collective over the default group: every rank's `obj` (plain data, CPU tensors), as a list on
-    rank 0 (None elsewhere)."""
+def gather_health(health: dict[str, Any], distributed: bool) -> dict[str, Any]:
+    """This rank's `TrainHealth.state_dict()` with "acc" replaced by the list of every rank's routing
+    accumulator state (rank 0's copy is the one trainer.pt keeps). Collective when distributed."""
+    if not distributed:
+        return {**health, "acc": [health["acc"]]}
     rank = dist.get_rank()
-    out: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(obj, out, dst=0)
-    return out
+    gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(health["acc"], gathered, dst=0)
+    return {**health, "acc": gathered}

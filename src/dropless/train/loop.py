@@ -41,7 +41,7 @@ from . import dist_checkpoint
 from .data import eval_batches, get_batch, load_splits
 from .health import TrainHealth, global_aux_terms
 from .optim import build_optimizer
-from .resume import check_resume_config, describe
+from .resume import check_resume_config, report_resume
 from .overflow import OverflowGuard
 from .schedule import lr_at
 from .sinks import JsonlLog, Progress, TensorBoard
@@ -137,44 +137,24 @@ class Trainer:
             raise FileNotFoundError(f"--resume: no complete checkpoint under {self.run_dir / 'checkpoints'}")
         saved = dist_checkpoint.trainer_state(path)
         changes = check_resume_config(saved["config"], self.cfg, int(saved["step"]))
-        if ckpt.is_dcp_checkpoint(path):
-            state = dist_checkpoint.load(path, self.model, self.optimizer, experts=self.expert_names,
-                                         meshes=self.meshes)
-        elif self.distributed:
-            raise ValueError(f"--resume: {path} is an older one-process checkpoint (state.pt); resume it "
-                             "in one process (its next checkpoint is in the format every world size reads)")
-        else:
-            state = saved
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+        state = dist_checkpoint.load(path, self.model, self.optimizer, experts=self.expert_names,
+                                     meshes=self.meshes)
         ckpt.set_rng_state(state["rng"])
         self.start_step = int(state["step"])
         self._resume_state = state
         if self.is_main:
             for log in (self.metrics, self.routing, self.health_log):
                 log.truncate_from(self.start_step)
-            saved_world = int(state.get("world_size", 1))
-            print(f"resumed from {path} at step {self.start_step}"
-                  + (f" (written by {saved_world} processes, now {self.world_size})"
-                     if saved_world != self.world_size else ""))
-            for line in describe(changes):
-                print(f"config change on resume: {line}")
-            self.metrics.write({"step": self.start_step, "resumed_from": path.name,
-                                "world_size": self.world_size, "saved_world_size": saved_world,
-                                "config_changes": {k: list(v) for k, v in changes.items()}})
+            report_resume(path, state, self.world_size, changes, self.metrics)
         if self.distributed:
             dist.barrier()  # the logs are cut before any rank reads them
 
     def save(self, next_step: int) -> Path:
         """Checkpoint `next_step` in the one format every world size reads (dist_checkpoint.py);
         collective under several processes."""
-        health = self.health.state_dict()
-        if self.distributed:  # the routing sums are per rank: rank 0 stores them all
-            health["acc"] = dist_checkpoint.gather_to_rank0(health["acc"])
-        else:
-            health["acc"] = [health["acc"]]
         state = {"step": next_step, "rng": ckpt.rng_state(), "config": to_dict(self.cfg),
-                 "world_size": self.world_size, "health": health}
+                 "world_size": self.world_size,
+                 "health": dist_checkpoint.gather_health(self.health.state_dict(), self.distributed)}
         return dist_checkpoint.save(self.run_dir, next_step, self.model, self.optimizer, state,
                                     experts=self.expert_names, meshes=self.meshes,
                                     keep_last=self.cfg.train.keep_last)

@@ -89,6 +89,17 @@ def describe(changes: Changes) -> list[str]:
     return [f"{name}: {old!r} -> {new!r}" for name, (old, new) in changes.items()]
 
 
+def report_resume(path: Path, state: dict[str, Any], world_size: int, changes: Changes, metrics: Any) -> None:
+    """Say where the run resumed and what changed: stdout, and one row of metrics.jsonl (a JsonlLog)."""
+    step, saved_world = int(state["step"]), int(state.get("world_size", 1))
+    moved = f" (written by {saved_world} processes, now {world_size})" if saved_world != world_size else ""
+    print(f"resumed from {path} at step {step}{moved}")
+    for line in describe(changes):
+        print(f"config change on resume: {line}")
+    metrics.write({"step": step, "resumed_from": Path(path).name, "world_size": world_size,
+                   "saved_world_size": saved_world, "config_changes": {k: list(v) for k, v in changes.items()}})
+
+
 def run_config(run_dir: Path, saved: dict[str, Any] | None, overrides: list[str]) -> RunConfig:
     """The config a resume continues with: the run's config.toml (or, if it is missing, the checkpoint's
     config `saved`), with the `--set` overrides applied."""
