@@ -17,6 +17,7 @@ from dropless.train import checkpoint as ckpt
 from dropless.train import dist_checkpoint
 from dropless.train.generate import load_model
 from dropless.train.loop import Trainer
+from dropless.train.resume import check_resume_config
 from dropless.train import run as run_module
 from dropless.train.run import main as train_main
 from tiny_run import tiny
@@ -173,6 +174,25 @@ def test_resume_allows_the_documented_model_fields_and_logs_every_change(
                       "model.moe.balance.aux_loss_coeff": [0.01, 0.02], "train.lr": [0.01, 0.005],
                       "train.steps": [2, 4]}
     assert all(f"config change on resume: {name}" in out for name in logged)
+
+
+def test_resume_rules_field_by_field() -> None:
+    saved = to_dict(tiny())
+    # numerics and objective may change: the same network, computed or trained differently
+    assert check_resume_config(saved, tiny("model.moe.precision=mxfp8", "model.moe.align=32",
+                                           "model.init_std=0.01", "data.max_bytes=100000"), 10) == {
+        "data.max_bytes": (200000, 100000), "model.init_std": (0.02, 0.01), "model.moe.align": (1, 32),
+        "model.moe.precision": ("bf16", "mxfp8")}
+    # what the network is, or what its input tokens mean, may not
+    for change, message in (("model.moe.router.use_expert_bias=true", "model.moe.router.use_expert_bias=True"),
+                            ("model.moe.capacity_factor=1.5", "model.moe.capacity_factor=1.5"),
+                            ("model.rope_theta=500000", "model.rope_theta=500000.0"),
+                            ("model.moe.n_shared_experts=1", "model.moe.n_shared_experts=1")):
+        with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+            check_resume_config(saved, tiny(change), 10)
+    with pytest.raises(ValueError, match="data.tokenizer='hf'"):
+        check_resume_config(saved, tiny("data.tokenizer=hf", "data.tokenizer_path=t.json"), 10)
+    assert check_resume_config(saved, tiny(), 20) == {}  # a finished run resumes to nothing
 
 
 def test_config_flag_is_ignored_on_resume_with_a_note(tmp_path: Path, config_file: Path,
