@@ -72,7 +72,7 @@ def test_ep_fsdp_follows_one_process_and_resumes_at_other_world(tmp_path: Path) 
     assert max_rel(metric(four, "grad_norm"), metric(one, "grad_norm")) <= PARALLEL_TRAIN_GRAD_NORM
     # the distributed checkpoint is a DCP folder, published whole
     step10 = four / "checkpoints" / ckpt.checkpoint_name(10)
-    assert ckpt.is_distributed_checkpoint(step10) and (step10 / ckpt.COMPLETE_MARKER).is_file()
+    assert ckpt.is_dcp_checkpoint(step10) and (step10 / ckpt.COMPLETE_MARKER).is_file()
 
     # ... whose experts are stored at their global shape: one process loads it into the one-device model
     model, cfg = load_model(four)

@@ -90,9 +90,13 @@ def test_adamw_bf16_trains_and_resumes_exactly(tmp_path: Path, monkeypatch: pyte
     broken = tmp_path / "broken"
     trainer = Trainer(tiny("train.optimizer=adamw_bf16"), broken)
     crash_at(trainer, 14, monkeypatch)
-    Trainer(tiny("train.optimizer=adamw_bf16"), broken, resume=True).fit()
+    resumed = Trainer(tiny("train.optimizer=adamw_bf16"), broken, resume=True)
+    resumed.fit()
     assert rows(full, "loss") == rows(broken, "loss")
     assert rows(full, "val_loss") == rows(broken, "val_loss")
+    # still bf16 after the load (torch's Optimizer.load_state_dict casts state to the parameter dtype)
+    moments = [v for st in resumed.optimizer.state.values() for k, v in st.items() if k.startswith("exp_avg")]
+    assert moments and all(m.dtype == torch.bfloat16 for m in moments)
 
 
 def test_optimizer_choice_is_validated() -> None:

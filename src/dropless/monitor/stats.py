@@ -193,6 +193,54 @@ class StepAccumulator:
             t.zero_()
         self.step_counts_LE.zero_()
 
+    # -- checkpoints ----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Copies (on the CPU) of every running sum: the interval tensors and the step counts. A
+        checkpoint that is not on a log step holds part of an interval; without these the first
+        routing row after a resume would cover only the steps after it."""
+        tensors = {n: t for n, (t, _) in self.interval_tensors().items()}
+        tensors["step_counts_LE"] = self.step_counts_LE
+        return {n: t.detach().cpu().clone() for n, t in sorted(tensors.items())}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore what `state_dict()` returned (this rank's sums); a missing or misshapen entry is a
+        ValueError naming it."""
+        for name, t in {**{n: t for n, (t, _) in self.interval_tensors().items()},
+                        "step_counts_LE": self.step_counts_LE}.items():
+            if name not in state:
+                raise ValueError(f"routing accumulator state: no {name!r} entry (has {sorted(state)})")
+            if tuple(state[name].shape) != tuple(t.shape):
+                raise ValueError(f"routing accumulator state: {name} has shape {tuple(state[name].shape)}, "
+                                 f"expected {tuple(t.shape)}")
+            t.copy_(state[name])
+
+    def state_for_rank(self, saved: list[dict[str, torch.Tensor]], rank: int, world: int
+                       ) -> dict[str, torch.Tensor]:
+        """This rank's accumulator state from the states of the `len(saved)` ranks that wrote a
+        checkpoint. At the same world size each rank takes its own. At another world size what must
+        survive is what `record` computes, the reduction over ranks: rank 0 takes the sum (or max) of
+        the saved ranks' sums and every other rank starts from zero, so the next all-reduce ("sum")
+        gives the same totals; "max" tensors go to every rank (max is idempotent and the sums start at
+        zero, which is below every maxvio); tensors that are not reduced (the per-step counts, zero
+        between steps) come from saved rank 0."""
+        if not saved:
+            raise ValueError("routing accumulator state: no saved ranks")
+        if len(saved) == world:
+            return saved[rank]
+        ops = {n: op for n, (_, op) in self.interval_tensors().items()}
+        out: dict[str, torch.Tensor] = {}
+        for name, first in saved[0].items():
+            rows = torch.stack([s[name] for s in saved])
+            op = ops.get(name)
+            if op == "sum":
+                out[name] = rows.sum(0) if rank == 0 else torch.zeros_like(first)
+            elif op == "max":
+                out[name] = rows.amax(0)
+            else:
+                out[name] = first.clone()
+        return out
+
     def all_reduce(self, fn: Callable[[torch.Tensor, str], None]) -> None:
         """Apply `fn(tensor, op)` (op "sum" or "max") to every interval tensor, in a fixed order."""
         for _, (t, op) in sorted(self.interval_tensors().items()):

@@ -3,12 +3,13 @@
 Layout under a run directory:
 
     run_dir/checkpoints/
-        step_000123/state.pt      torch.save of the caller's dict (one process)
-        step_000123/.metadata     ... or a torch.distributed.checkpoint folder (several processes;
-                                  see dist_checkpoint.py), with trainer.pt beside it
+        step_000123/.metadata     the trainer's checkpoints: a torch.distributed.checkpoint folder
+        step_000123/trainer.pt    at every world size, one process included (dist_checkpoint.py)
+        step_000123/state.pt      ... or one torch.save file (`save_checkpoint`: generic dicts, and
+                                  the trainer's one-process checkpoints before the formats were merged)
         step_000123/COMPLETE      the marker: a checkpoint without it does not exist
         latest                    text: the name of the newest saved checkpoint, for people and tools
-        .tmp-step_000456-<pid>/   an unfinished save (a crash); ignored, safe to delete
+        .tmp-step_000456-<tag>/   an unfinished save (a crash); ignored, safe to delete
 
 Design notes
 - A crash (OOM kill, preemption, full disk) can happen at any byte of a save. The save therefore
@@ -18,13 +19,14 @@ Design notes
   the rename stops the kernel from persisting the rename before the data (the classic
   zero-length-file-after-power-loss). The `latest` pointer is replaced the same way (tmp + os.replace).
 - `latest_checkpoint` does not trust `latest`: it scans for `step_*` folders that have the marker
-  and a `state.pt`, and returns the highest step. A crash between the folder rename and the pointer
+  and a `state.pt` or DCP `.metadata`, and returns the highest step. A crash between the folder rename and the pointer
   update then costs nothing; the pointer is a convenience, not the source of truth.
 - Saving a step that already exists (re-running from an earlier checkpoint) moves the old folder
   aside, renames the new one in, then deletes the old one. In the gap between those renames the step
   is briefly absent, never half-written.
-- Only one process should save into a run directory (rank 0, or one directory per rank);
-  the pid in the temporary name just keeps two accidental writers from sharing a folder.
+- Only one process should publish into a run directory (rank 0; the ranks of a distributed save all
+  write into one `.tmp-...-dcp` folder first); the pid in a one-process temporary name just keeps two
+  accidental writers from sharing a folder.
 - `load_checkpoint` uses `torch.load(weights_only=True)` by default: tensors, dicts, lists, tuples,
   numbers and strings load; arbitrary pickled objects do not. Store configs as plain dicts.
 - `rng_state()` / `set_rng_state()` cover torch CPU, every visible CUDA device and Python's
@@ -93,7 +95,9 @@ def _is_complete(path: Path) -> bool:
                                                    or (path / DCP_METADATA).is_file())
 
 
-def is_distributed_checkpoint(path: Path) -> bool:
+def is_dcp_checkpoint(path: Path) -> bool:
+    """A torch.distributed.checkpoint folder (the trainer's format at every world size), as opposed to
+    a `state.pt` one."""
     return (Path(path) / DCP_METADATA).is_file()
 
 

@@ -1,31 +1,46 @@
-"""Distributed checkpoints: torch.distributed.checkpoint (DCP), resumable at another world size.
+"""The trainer's checkpoints: one format, torch.distributed.checkpoint (DCP), at every world size.
 
-Every rank writes its own shards into one folder, in parallel; the folder is published with the same
-atomic protocol as a one-process checkpoint (checkpoint.py): all ranks write into a hidden temporary
-folder, rank 0 writes `trainer.pt` (step, RNG, health, config), a barrier makes sure every rank's
-files are on disk (DCP's writer fsyncs them), then rank 0 alone writes the COMPLETE marker and renames
-the folder. A rank that dies mid-save leaves only the hidden folder, which no loader reads.
+A checkpoint written by any number of processes (one included) resumes at any other (1 -> 4 -> 2):
 
-Resharding. Dense parameters and their optimizer state are FSDP2 DTensors (Shard(0) over dp): DCP
-stores them by global offsets, so any world size can read them. The routed experts are the exception:
-after EP each rank holds a different slice of E under the same name, which FSDP sees as an [L, ...]
-tensor on the edp mesh. Before saving (and loading) they are re-described, without a copy, as
-DTensors of the global [E, ...] shape on the (ep, edp) checkpoint mesh with placements
-(Shard(0), Shard(0)) (distributed/parallelize.py): each rank's bytes land at their global offset, so
-a checkpoint written at (ep, edp) = (2, 2) loads at (2, 1), (1, 2), ...
+    step_000123/.metadata, __R_0.distcp   DCP: model and optimizer state, each tensor at its global
+                                          shape, in every rank's shards
+    step_000123/trainer.pt                torch.save (rank 0): step, RNG, config, world size, the
+                                          routing monitor's state (every rank's accumulator sums)
+    step_000123/COMPLETE                  the marker (checkpoint.py)
 
-Because the experts are stored at their global shape, the model part also loads into the plain
-one-device model, without a process group (`load_full_model`; `dropless generate` uses it).
+Why DCP at one process too: it stores every tensor by name at its global shape with the offsets of
+the piece each rank held, and reads any piece back for any layout, so one format needs no converter.
+One process saves and loads it without a process group (`no_dist=True`); the state dicts come from
+`get_model_state_dict` / `get_optimizer_state_dict` at every world size, so the optimizer state is
+keyed by parameter name (not by position) in all of them. The older one-process format (a torch.save
+`state.pt`) still loads in one process (loop.py) and in `dropless generate`.
+
+Publishing uses the atomic protocol of checkpoint.py: every rank writes into one hidden temporary
+folder (DCP's writer fsyncs its files), rank 0 writes `trainer.pt` (fsynced), a barrier makes sure every
+rank's files are on disk, then rank 0 alone writes the COMPLETE marker and renames the folder. A rank
+that dies mid-save leaves only the hidden folder, which no loader reads.
+
+Resharding. Dense parameters and their optimizer state are FSDP2 DTensors (Shard(0) over dp) or, in one
+process, plain tensors: DCP matches them by name and global offsets. The routed experts are the
+exception: after EP each rank holds a different slice of E under the same name, which FSDP sees as an
+[L, ...] tensor on the edp mesh. Before saving (and loading) they are re-described, without a copy, as
+DTensors of the global [E, ...] shape on the (ep, edp) checkpoint mesh with placements (Shard(0),
+Shard(0)) (distributed/parallelize.py): each rank's bytes land at their global offset, so a checkpoint
+written at (ep, edp) = (2, 2) loads at (2, 1), (1, 2), or one process's plain [E, ...] tensor.
 
 RNG: rank 0's generator states are saved and every rank restores them (training draws no random
-numbers on the device path; batches are a function of (seed, step, micro-step)).
+numbers on the device path; batches are a function of (seed, step, micro-step)). The routing
+accumulators are per rank: `gather_health` collects them for trainer.pt, and
+`StepAccumulator.state_for_rank` hands them back, resharded when the world size changed.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -67,62 +82,111 @@ def _to_local(t: DTensor, meshes: Meshes) -> DTensor:
                               shape=torch.Size(shape), stride=_contiguous_stride(shape))
 
 
-def _convert(model_sd: dict, optim_sd: dict, experts: list[str], fn) -> tuple[dict, dict]:
+def _convert(model_sd: dict, optim_sd: dict, experts: Sequence[str], fn: Callable) -> tuple[dict, dict]:
     model_sd = {k: fn(v) if k in experts else v for k, v in model_sd.items()}
     state = {k: ({n: fn(v) if isinstance(v, DTensor) else v for n, v in s.items()} if k in experts else s)
              for k, s in optim_sd["state"].items()}
     return model_sd, {**optim_sd, "state": state}
 
 
+def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer, experts: Sequence[str],
+                 meshes: Meshes | None) -> dict[str, dict]:
+    """{"model", "optim"}: name-keyed state dicts with the experts at their global shape."""
+    model_sd, optim_sd = get_model_state_dict(model), get_optimizer_state_dict(model, optimizer)
+    if meshes is not None:
+        model_sd, optim_sd = _convert(model_sd, optim_sd, experts, lambda t: _to_global(t, meshes))
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def _dcp(fn: Callable, state: dict, path: Path, distributed: bool) -> None:
+    if distributed:
+        fn(state, checkpoint_id=str(path))
+        return
+    with warnings.catch_warnings():
+        # no_dist=True is the intent here: DCP still warns that no process group exists
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        fn(state, checkpoint_id=str(path), no_dist=True)
+
+
 def save(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         experts: list[str], meshes: Meshes, trainer_state: dict[str, Any], keep_last: int | None) -> Path:
-    """Collective: every rank calls it. Returns the published folder (on every rank)."""
-    rank = dist.get_rank()
-    tmp = Path(run_dir) / ckpt.CHECKPOINT_DIR / f".tmp-{ckpt.checkpoint_name(step)}-dcp"
+         trainer_state: dict[str, Any], *, experts: Sequence[str] = (), meshes: Meshes | None = None,
+         keep_last: int | None = None) -> Path:
+    """Write checkpoint `step`. With `meshes` (several processes) it is collective: every rank calls it
+    and gets the published folder; without, one process saves alone."""
+    distributed = meshes is not None
+    rank = dist.get_rank() if distributed else 0
+    # Every rank must name the same folder: a fixed tag when several write it, the pid for one writer.
+    tag = "dcp" if distributed else str(os.getpid())
+    tmp = Path(run_dir) / ckpt.CHECKPOINT_DIR / f".tmp-{ckpt.checkpoint_name(step)}-{tag}"
     if rank == 0:
-        ckpt.temp_dir(run_dir, step, "dcp")  # (re)created empty
-    dist.barrier()
-    model_sd, optim_sd = _convert(get_model_state_dict(model), get_optimizer_state_dict(model, optimizer),
-                                  experts, lambda t: _to_global(t, meshes))
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        ckpt.temp_dir(run_dir, step, tag)  # (re)created empty
+    if distributed:
+        dist.barrier()
+    _dcp(dcp.save, _state_dicts(model, optimizer, experts, meshes), tmp, distributed)
     if rank == 0:
         with open(tmp / TRAINER_FILE, "wb") as f:
             torch.save(trainer_state, f)
-    dist.barrier()  # every rank's shards are written and synced
+            f.flush()
+            os.fsync(f.fileno())
+    if distributed:
+        dist.barrier()  # every rank's shards are written and synced
     final = Path(run_dir) / ckpt.CHECKPOINT_DIR / ckpt.checkpoint_name(step)
     if rank == 0:
         ckpt.publish(run_dir, step, tmp, keep_last=keep_last)
-    dist.barrier()
+    if distributed:
+        dist.barrier()
     return final
 
 
-def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, experts: list[str],
-         meshes: Meshes) -> dict[str, Any]:
-    """Collective: fill model and optimizer from a DCP checkpoint written at any world size; returns
-    the trainer state (step, RNG, ...)."""
+def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+         experts: Sequence[str] = (), meshes: Meshes | None = None) -> dict[str, Any]:
+    """Fill model and optimizer from a checkpoint written at any world size (collective with
+    `meshes`), or from an older one-process `state.pt` (one process only); returns the trainer state
+    (step, RNG, ...)."""
     if not (Path(path) / ckpt.COMPLETE_MARKER).is_file():
         raise ValueError(f"load: {str(path)!r} has no {ckpt.COMPLETE_MARKER} marker (unfinished save)")
-    model_sd, optim_sd = _convert(get_model_state_dict(model), get_optimizer_state_dict(model, optimizer),
-                                  experts, lambda t: _to_global(t, meshes))
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))
-    model_sd, optim_sd = _convert(state["model"], state["optim"], experts, lambda t: _to_local(t, meshes))
+    if not ckpt.is_dcp_checkpoint(path):
+        if meshes is not None:
+            raise ValueError(f"--resume: {path} is an older one-process checkpoint (state.pt); resume it "
+                             "in one process (its next checkpoint is in the format every world size reads)")
+        state = ckpt.load_checkpoint(path)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        return state
+    state = _state_dicts(model, optimizer, experts, meshes)
+    _dcp(dcp.load, state, Path(path), meshes is not None)
+    model_sd, optim_sd = state["model"], state["optim"]
+    if meshes is not None:
+        model_sd, optim_sd = _convert(model_sd, optim_sd, experts, lambda t: _to_local(t, meshes))
     set_model_state_dict(model, model_sd)
     set_optimizer_state_dict(model, optimizer, optim_sd)
     return trainer_state(path)
 
 
 def load_full_model(path: Path, model: torch.nn.Module) -> dict[str, Any]:
-    """One process, no process group: fill a one-device `model` (all E experts) from a distributed
-    checkpoint; returns the trainer state (its "config" builds the model)."""
+    """One process, no process group: fill a one-device `model` (all E experts) from a checkpoint
+    written at any world size; returns the trainer state (its "config" builds the model)."""
     state = {"model": model.state_dict()}
-    with warnings.catch_warnings():
-        # no_dist=True is the intent here: DCP still warns that no process group exists
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    _dcp(dcp.load, state, Path(path), distributed=False)
     model.load_state_dict(state["model"])
     return trainer_state(path)
 
 
 def trainer_state(path: Path) -> dict[str, Any]:
-    return torch.load(Path(path) / TRAINER_FILE, weights_only=True)
+    """The trainer state of a checkpoint folder: trainer.pt, or an older one-process `state.pt`
+    (which holds it together with the model and optimizer)."""
+    path = Path(path)
+    if (path / TRAINER_FILE).is_file():
+        return torch.load(path / TRAINER_FILE, map_location="cpu", weights_only=True)
+    return ckpt.load_checkpoint(path)
+
+
+def gather_health(health: dict[str, Any], distributed: bool) -> dict[str, Any]:
+    """This rank's `TrainHealth.state_dict()` with "acc" replaced by the list of every rank's routing
+    accumulator state (rank 0's copy is the one trainer.pt keeps). Collective when distributed."""
+    if not distributed:
+        return {**health, "acc": [health["acc"]]}
+    rank = dist.get_rank()
+    gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(health["acc"], gathered, dst=0)
+    return {**health, "acc": gathered}

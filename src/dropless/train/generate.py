@@ -21,10 +21,12 @@ from .tokenizer import load_tokenizer
 
 
 def load_model(run_dir: str | Path) -> tuple[MoEModel, RunConfig]:
+    """The model of a run's latest checkpoint, on one device with all E experts, whatever world size
+    wrote it (the DCP format), or from an older one-process `state.pt`."""
     path = ckpt.latest_checkpoint(run_dir)
     if path is None:
         raise FileNotFoundError(f"no complete checkpoint under {Path(run_dir) / 'checkpoints'}")
-    if ckpt.is_distributed_checkpoint(path):  # written by several processes: load all experts here
+    if ckpt.is_dcp_checkpoint(path):
         from . import dist_checkpoint
 
         cfg = from_dict(RunConfig, dist_checkpoint.trainer_state(path)["config"])

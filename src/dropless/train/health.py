@@ -61,13 +61,23 @@ class TrainHealth:
     # -- resume ---------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        return {"prev_probe_ids": [p for p in self.prev_probe_ids]}
+        """This rank's resumable state: the probe ids of the last log step and the routing
+        accumulator's running sums (a checkpoint between log steps holds part of an interval)."""
+        return {"prev_probe_ids": [p for p in self.prev_probe_ids], "acc": self.acc.state_dict()}
 
-    def restore(self, state: dict, routing_rows: list[dict]) -> None:
-        """Continue as if never stopped: the probe ids of the last log step come from the checkpoint;
-        the alarm rules' memory (streaks, what was already reported) is rebuilt by replaying the
-        routing rows written before the checkpoint, without printing or writing them again."""
-        self.prev_probe_ids = list(state.get("prev_probe_ids", self.prev_probe_ids))
+    def restore(self, state: dict, routing_rows: list[dict], rank: int = 0, world: int = 1) -> None:
+        """Continue as if never stopped: the probe ids of the last log step and the accumulator's sums
+        come from the checkpoint (`state["acc"]` is the list of every saved rank's sums, resharded by
+        `StepAccumulator.state_for_rank` when the world size changed; checkpoints from before the sums
+        were saved have none); the alarm rules' memory (streaks, what was already reported) is rebuilt
+        by replaying the routing rows written before the checkpoint, without printing or writing them
+        again."""
+        self.prev_probe_ids = [None if p is None else p.to(self.acc.device)
+                               for p in state.get("prev_probe_ids", self.prev_probe_ids)]
+        acc = state.get("acc")
+        if acc is not None and self.layers:
+            saved = acc if isinstance(acc, list) else [acc]
+            self.acc.load_state_dict(self.acc.state_for_rank(saved, rank, world))
         run_dir, echo = self.monitor.run_dir, self.monitor.echo
         self.monitor.run_dir, self.monitor.echo = None, False
         for row in routing_rows:

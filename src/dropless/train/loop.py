@@ -6,16 +6,18 @@ master weights, backward of loss / grad_accum, global-norm clipping, AdamW, the 
 schedule. The MoE layers' statistics stay on the device and are summed over the step; the host reads
 them (one sync) every `log.log_every` steps, together with the loss.
 
-Resume is exact: a checkpoint holds model, optimizer, step and RNG state; batches and learning rates
-are functions of the step; the logs are cut back to the checkpoint's step before the run goes on.
+Resume is exact: a checkpoint holds model, optimizer, step, RNG state and the routing monitor's running
+sums; batches and learning rates are functions of the step; the logs are cut back to the checkpoint's
+step before the run goes on. What a resumed run may change in its config: resume.py.
 
 Distributed (a process group is initialised, e.g. by torchrun): the model is parallelised from outside
 (distributed/parallelize.py: EP, then FSDP2). Rank r's micro-batch m of step s is the micro-batch
 (m * W + r) that one process with W times the accumulation would draw, so W ranks with grad_accum A
 follow one process with grad_accum W*A (tests/distributed/test_parallel_train.py). Health counts
 are all-reduced over the ranks; the logged losses are means over ranks; only rank 0 writes files and
-progress. Checkpoints go through torch.distributed.checkpoint (dist_checkpoint.py), resumable at
-another world size. EP buffered mode's overflow policy (skip, check, retry) is in overflow.py.
+progress. Checkpoints are torch.distributed.checkpoint folders at every world size, one process
+included (dist_checkpoint.py): written at any world size, resumable at any other. EP buffered mode's
+overflow policy (skip, check, retry) is in overflow.py.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from . import dist_checkpoint
 from .data import eval_batches, get_batch, load_splits
 from .health import TrainHealth, global_aux_terms
 from .optim import build_optimizer
+from .resume import check_resume_config, report_resume
 from .overflow import OverflowGuard
 from .schedule import lr_at
 from .sinks import JsonlLog, Progress, TensorBoard
@@ -118,7 +121,8 @@ class Trainer:
                                   echo=cfg.log.progress, write=self.is_main,
                                   alarm_warmup=t.warmup_steps)
         if resume:
-            self.health.restore(self._resume_state.get("health", {}), self.routing.read())
+            self.health.restore(self._resume_state.get("health", {}), self.routing.read(),
+                                rank=self.rank, world=self.world_size)
         if self.is_main:
             save_config(cfg, self.run_dir / "config.toml")
         self.autocast_dtype = torch.bfloat16 if t.dtype == "bf16" else None
@@ -126,37 +130,34 @@ class Trainer:
     # ---------------------------------------------------------------------------------------------
 
     def _resume(self) -> None:
+        """Load the latest checkpoint (written at any world size) after checking that this run's
+        config may continue it (resume.py); log the config changes and the world size."""
         path = ckpt.latest_checkpoint(self.run_dir)
         if path is None:
             raise FileNotFoundError(f"--resume: no complete checkpoint under {self.run_dir / 'checkpoints'}")
-        if self.distributed != ckpt.is_distributed_checkpoint(path):
-            kind = "one-process" if self.distributed else "distributed"
-            raise ValueError(f"--resume: {path} was written by a {kind} run; resume it the same way "
-                             "(dropless train --nproc N for distributed ones)")
-        if self.distributed:
-            state = dist_checkpoint.load(path, self.model, self.optimizer, self.expert_names, self.meshes)
-        else:
-            state = ckpt.load_checkpoint(path)
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+        saved = dist_checkpoint.trainer_state(path)
+        changes = check_resume_config(saved["config"], self.cfg, int(saved["step"]))
+        state = dist_checkpoint.load(path, self.model, self.optimizer, experts=self.expert_names,
+                                     meshes=self.meshes)
         ckpt.set_rng_state(state["rng"])
         self.start_step = int(state["step"])
         self._resume_state = state
         if self.is_main:
             for log in (self.metrics, self.routing, self.health_log):
                 log.truncate_from(self.start_step)
-            print(f"resumed from {path} at step {self.start_step}")
+            report_resume(path, state, self.world_size, changes, self.metrics)
         if self.distributed:
             dist.barrier()  # the logs are cut before any rank reads them
 
     def save(self, next_step: int) -> Path:
+        """Checkpoint `next_step` in the one format every world size reads (dist_checkpoint.py);
+        collective under several processes."""
         state = {"step": next_step, "rng": ckpt.rng_state(), "config": to_dict(self.cfg),
-                 "health": self.health.state_dict()}
-        if self.distributed:
-            return dist_checkpoint.save(self.run_dir, next_step, self.model, self.optimizer,
-                                        self.expert_names, self.meshes, state, self.cfg.train.keep_last)
-        state.update(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
-        return ckpt.save_checkpoint(self.run_dir, next_step, state, keep_last=self.cfg.train.keep_last)
+                 "world_size": self.world_size,
+                 "health": dist_checkpoint.gather_health(self.health.state_dict(), self.distributed)}
+        return dist_checkpoint.save(self.run_dir, next_step, self.model, self.optimizer, state,
+                                    experts=self.expert_names, meshes=self.meshes,
+                                    keep_last=self.cfg.train.keep_last)
 
     def micro_index(self, micro: int) -> int:
         """This rank's micro-batch `micro` is the one-process micro-batch micro * W + rank."""

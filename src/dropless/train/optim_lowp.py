@@ -109,6 +109,17 @@ class AdamWBF16(torch.optim.Optimizer):
         return loss
 
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        # torch.optim.Optimizer.load_state_dict casts floating-point state to the parameter's dtype
+        # (fp32 here): store the moments in bf16 again. Their values are bf16 numbers, so this is
+        # exact; without it a resumed run would hold fp32 moments (twice the memory).
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    state[key] = state[key].to(torch.bfloat16)
+
+
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes held in tensors of the optimizer's state (moments, step counters if tensors)."""
     total = 0

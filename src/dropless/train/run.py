@@ -12,6 +12,14 @@ complete checkpoint (a save interrupted by the failure is never published).
 `--config` takes a preset name (`tiny`, `dense`, ... from dropless/presets/) or a TOML file. Without
 `--run-dir` a new folder `runs/<preset>-<time>` is made; `--resume` without `--run-dir` continues the
 newest `runs/<preset>-*` that has a complete checkpoint.
+
+Resume (`--resume`) continues with the run's own `config.toml` (what it was started, or last resumed,
+with), and `--set` overrides apply on top of it. Changes that would make the checkpoint's weights
+another model (its shape, architecture or routing) are refused; every other change is printed and
+logged in metrics.jsonl (resume.py has the rules). `--config` is not applied on resume: it only names
+the preset whose newest run to continue when `--run-dir` is not given, and a note on stderr lists
+the fields where it differs from the run's config (ignoring it beats a silent mix of two configs, and
+refusing it would block the one-word `--config dense --resume`; a field to change goes in --set).
 """
 
 from __future__ import annotations
@@ -23,11 +31,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
-from ..config import load_config
+from ..config import RunConfig, from_dict, load_config, to_dict
 from . import checkpoint as ckpt
+from . import resume
 
 PRESETS = Path(__file__).resolve().parent.parent / "presets"
+DEFAULT_PRESET = "tiny"
+
+if TYPE_CHECKING:
+    from .loop import Trainer
 
 
 def preset_path(name: str) -> Path:
@@ -45,7 +59,10 @@ def preset_path(name: str) -> Path:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dropless train", description="Train an MoE language model.")
-    p.add_argument("--config", default="tiny", help="preset name or TOML file (default: tiny)")
+    p.add_argument("--config", default=None,
+                   help="preset name or TOML file (default: tiny); with --resume only the preset whose "
+                        "newest run to continue when --run-dir is not given: the run's own config.toml "
+                        "is used")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="a.b=value",
                    help="override a config field by dotted name (repeatable)")
     p.add_argument("--run-dir", default=None, help="run directory (default: runs/<preset>-<time>)")
@@ -57,13 +74,16 @@ def parser() -> argparse.ArgumentParser:
 
 def launch(args: argparse.Namespace, argv: list[str], run_dir: Path) -> int:
     """Re-run this command under torchrun with N processes; returns torchrun's exit status."""
+    # Drop --nproc (and its value) and any --run-dir: the chosen one is passed. On resume drop --config
+    # too: the run's own config is used, and its note was printed here already.
+    dropped = ("--nproc", "--run-dir", "--config") if args.resume else ("--nproc", "--run-dir")
     rest, skip = [], False
-    for a in argv:  # drop --nproc (and its value) and any --run-dir; the chosen one is passed
+    for a in argv:
         if skip:
             skip = False
-        elif a in ("--nproc", "--run-dir"):
+        elif a in dropped:
             skip = True
-        elif not a.startswith(("--nproc=", "--run-dir=")):
+        elif not a.startswith(tuple(d + "=" for d in dropped)):
             rest.append(a)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
            "-m", "dropless.train", *rest, "--run-dir", str(run_dir)]
@@ -83,6 +103,30 @@ def choose_run_dir(args: argparse.Namespace, preset: str) -> Path:
     return Path("runs") / f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def resolve_config(args: argparse.Namespace, path: Path, run_dir: Path) -> RunConfig:
+    """A new run: the preset (or file) with the overrides. A resume: the run's own config.toml with the
+    overrides on top, checked against the checkpoint's config (resume.py: the model's shape and
+    routing cannot change); `--config` is then ignored, with a note when it differs."""
+    if not args.resume:
+        if ckpt.latest_checkpoint(run_dir) is not None:
+            raise ValueError(f"--run-dir {run_dir} already holds checkpoints: pass --resume, or choose another")
+        return load_config(path, args.overrides)
+    latest = ckpt.latest_checkpoint(run_dir)
+    if latest is None:
+        raise FileNotFoundError(f"--resume: no complete checkpoint under {run_dir / ckpt.CHECKPOINT_DIR}")
+    from .dist_checkpoint import trainer_state
+
+    saved = trainer_state(latest)
+    cfg = resume.run_config(run_dir, saved["config"], args.overrides)
+    if args.config is not None:
+        note = resume.config_file_note(load_config(path), resume.run_config(run_dir, saved["config"], []),
+                                       args.config)
+        if note:
+            print(note, file=sys.stderr, flush=True)
+    resume.check_resume_config(saved["config"], cfg, int(saved["step"]))  # before any process starts
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
@@ -91,18 +135,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dropless train: error: --nproc {args.nproc}: must be >= 1", file=sys.stderr)
         return 2
     try:
-        path = preset_path(args.config)
-        cfg = load_config(path, args.overrides)
+        path = preset_path(args.config or DEFAULT_PRESET)
         if args.nproc and not under_torchrun:
-            return launch(args, argv, choose_run_dir(args, path.stem))
+            run_dir = choose_run_dir(args, path.stem)
+            resolve_config(args, path, run_dir)  # a bad config fails here, before N processes start
+            return launch(args, argv, run_dir)
         from ..distributed.parallelize import init_distributed
 
         distributed = init_distributed()
-        run_dir = choose_run_dir(args, path.stem) if not distributed or _rank() == 0 else None
-        if distributed:
-            run_dir = _broadcast(run_dir)
-        if not args.resume and ckpt.latest_checkpoint(run_dir) is not None:
-            raise ValueError(f"--run-dir {run_dir} already holds checkpoints: pass --resume, or choose another")
+        if distributed:  # rank 0 decides (directory, config) and tells the others, errors included
+            run_dir, cfg = _agree(lambda: _prepare(args, path))
+        else:
+            run_dir, cfg = _prepare(args, path)
         from .loop import Trainer
 
         trainer = Trainer(cfg, run_dir, resume=args.resume)
@@ -111,28 +155,49 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if trainer.is_main:
         print(f"run directory: {run_dir}")
+    if trainer.start_step >= cfg.train.steps:  # a finished run: keep its summary, say how to extend it
+        if trainer.is_main:
+            print(f"nothing to train: the run is complete at step {trainer.start_step} "
+                  f"(--set train.steps=N with N > {trainer.start_step} trains longer)")
+        _finish(trainer)
+        return 0
     summary = trainer.fit()
     if trainer.is_main:
         print(json.dumps(summary, indent=2))
+    _finish(trainer)
+    return 0
+
+
+def _finish(trainer: "Trainer") -> None:
     if trainer.distributed:
         import torch.distributed as dist
 
         dist.destroy_process_group()
-    return 0
 
 
-def _rank() -> int:
+def _prepare(args: argparse.Namespace, path: Path) -> tuple[Path, RunConfig]:
+    run_dir = choose_run_dir(args, path.stem)
+    return run_dir, resolve_config(args, path, run_dir)
+
+
+def _agree(prepare: Callable[[], tuple[Path, RunConfig]]) -> tuple[Path, RunConfig]:
+    """Run `prepare` on rank 0 and broadcast its result (or its error, raised on every rank)."""
     import torch.distributed as dist
 
-    return dist.get_rank()
-
-
-def _broadcast(run_dir: Path | None) -> Path:
-    import torch.distributed as dist
-
-    box = [str(run_dir) if run_dir is not None else None]
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            run_dir, cfg = prepare()
+            box = [("ok", str(run_dir), to_dict(cfg))]
+        except (ValueError, FileNotFoundError) as err:
+            box = [(type(err).__name__, str(err), None)]
     dist.broadcast_object_list(box, src=0)
-    return Path(box[0])
+    kind, value, cfg_dict = box[0]
+    if kind == "FileNotFoundError":
+        raise FileNotFoundError(value)
+    if kind != "ok":
+        raise ValueError(value)
+    return Path(value), from_dict(RunConfig, cfg_dict)
 
 
 if __name__ == "__main__":
