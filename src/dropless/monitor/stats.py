@@ -92,8 +92,18 @@ class StepAccumulator:
     Per micro-batch: `add(layer, out.stats, out.aux_loss)` for every MoE layer.
     Per optimizer step: all-reduce `step_counts_LE` (sum) over data-parallel ranks if any (the
     global aux loss and the bias rules need the same sum), then `end_step()`.
-    Per log interval: all-reduce `interval_tensors()` with the op named for each, then
-    `record(step, ...)` (one host sync), which also resets the interval.
+    Per log interval: `all_reduce(fn)` over data-parallel ranks, then `record(step, ...)` (one host
+    sync), which also resets the interval.
+
+    Which interval tensors are per rank and which already global: `counts_LE` and
+    `maxvio_global_L` are built from the step counts after their all-reduce, so they are global
+    (identical on every rank) and must not be reduced again (summing them over W ranks made the
+    record's counts W times too large). Everything `add` accumulates per micro-batch is this rank's
+    own: sums (dropped pairs, aux-loss sums and their count, output sums of squares with the counts
+    they go with, entropy and top-1/top-2 sums and their count) are summed over ranks, the local
+    MaxVio takes the max. Under expert parallelism a rank's `out_sq_E` covers its own experts (the
+    rows it received from its EP group) and zeros elsewhere, so the sum over all ranks counts each
+    row once, like `detail_counts_LE` counts each token once.
     """
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int,
@@ -135,12 +145,14 @@ class StepAccumulator:
         step.zero_()
 
     def interval_tensors(self) -> dict[str, tuple[torch.Tensor, str]]:
-        """Tensors to all-reduce over data-parallel ranks before `record`: name -> (tensor, op)."""
+        """The interval's tensors: name -> (tensor, how `all_reduce` combines it over data-parallel
+        ranks: "sum", "max", or "global" for tensors that already span all ranks)."""
         t = {n: (getattr(self, n), "sum") for n in (
-            "counts_LE", "dropped_L", "aux_sum_L", "aux_n_L", "out_sq_LE", "detail_counts_LE",
+            "dropped_L", "aux_sum_L", "aux_n_L", "out_sq_LE", "detail_counts_LE",
             "entropy_sum_L", "top12_sum_L", "detail_n_L")}
         t["maxvio_local_L"] = (self.maxvio_local_L, "max")
-        t["maxvio_global_L"] = (self.maxvio_global_L, "max")
+        t["counts_LE"] = (self.counts_LE, "global")
+        t["maxvio_global_L"] = (self.maxvio_global_L, "global")
         return t
 
     def record(self, step: int, *, flip_bf16: Sequence[float | torch.Tensor | None] | None = None,
@@ -194,6 +206,8 @@ class StepAccumulator:
         self.step_counts_LE.zero_()
 
     def all_reduce(self, fn: Callable[[torch.Tensor, str], None]) -> None:
-        """Apply `fn(tensor, op)` (op "sum" or "max") to every interval tensor, in a fixed order."""
+        """Apply `fn(tensor, op)` (op "sum" or "max") to every per-rank interval tensor, in a fixed
+        order; the global ones are left alone (class note)."""
         for _, (t, op) in sorted(self.interval_tensors().items()):
-            fn(t, op)
+            if op != "global":
+                fn(t, op)
