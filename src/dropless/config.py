@@ -299,6 +299,9 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global grad norm (0 = off)
+    # Steps with a non-finite loss or gradient norm are skipped (train/nonfinite.py); this many in a
+    # row stop the run: five different batches failing on unchanged weights is no passing glitch.
+    max_nonfinite_steps: int = 5
     seed: int = 1337
     dtype: str = "bf16"  # autocast dtype for the forward pass; master weights stay fp32
     deterministic: bool = True
@@ -310,7 +313,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_every", "eval_batches",
-                     "ckpt_every", "keep_last"):
+                     "ckpt_every", "keep_last", "max_nonfinite_steps"):
             _positive(f"train.{name}", getattr(self, name))
         _choice("train.optimizer", self.optimizer, OPTIMIZERS)
         _choice("train.schedule", self.schedule, SCHEDULES)
