@@ -61,7 +61,6 @@ class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: str | Path, resume: bool = False) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         t = cfg.train
         if t.threads:
             torch.set_num_threads(t.threads)
@@ -109,6 +108,10 @@ class Trainer:
                                           p.overflow_check_every)
         self.nonfinite = NonFiniteGuard(t.max_nonfinite_steps, reduce, device=self.model.embed.weight.device)
         self.start_step = 0
+        probe = next(iter(eval_batches(self.val_tokens, min(4, t.batch_size), t.seq_len, 1)))[0]
+        # The first write, after everything a bad config or data path can fail on: a failed start
+        # leaves no run directory behind and writes nothing into an existing one.
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics = JsonlLog(self.run_dir / "metrics.jsonl")
         self.routing = JsonlLog(self.run_dir / "routing.jsonl")
         self.health_log = JsonlLog(self.run_dir / "health.jsonl")
@@ -117,7 +120,6 @@ class Trainer:
         elif self.is_main:
             for log in (self.metrics, self.routing, self.health_log):
                 log.truncate_from(0)
-        probe = next(iter(eval_batches(self.val_tokens, min(4, t.batch_size), t.seq_len, 1)))[0]
         self.health = TrainHealth(self.model, self.run_dir, probe, all_reduce=reduce,
                                   echo=cfg.log.progress, write=self.is_main,
                                   alarm_warmup=t.warmup_steps)
