@@ -376,7 +376,7 @@ class Trainer:
                              if train_rows else None),
             "params_total": params["total"],
             "params_active": params["active"],
-            "nonfinite_steps": self.nonfinite.total,
+            "nonfinite_steps": sum(r.get("nonfinite_steps", 0) for r in train_rows),  # resumes included
             "wall_s_this_process": wall_s,
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
