@@ -104,3 +104,25 @@ def test_rejects_bad_arguments() -> None:
     q.grad = torch.ones_like(q)
     with pytest.raises(ValueError, match="fp32 master"):
         AdamWBF16([q]).step()
+
+
+def test_moments_stay_bf16_across_a_state_dict_round_trip() -> None:
+    # torch's load_state_dict casts floating state to the parameter dtype: the moments came back fp32
+    # (twice the memory after every resume). They must come back bf16, and the next step be identical.
+    model, x, y = _problem()
+    twin = _problem()[0]
+    opt, opt2 = AdamWBF16(model.parameters(), **HYPER), AdamWBF16(twin.parameters(), **HYPER)
+    for _ in range(3):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    twin.load_state_dict(model.state_dict())
+    opt2.load_state_dict(opt.state_dict())
+    for state in opt2.state.values():
+        assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+    for m, o in ((model, opt), (twin, opt2)):
+        o.zero_grad()
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        o.step()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)

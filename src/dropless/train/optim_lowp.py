@@ -83,6 +83,7 @@ class AdamWBF16(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.rounding = rounding
         self.generator = generator
+        self.register_load_state_dict_post_hook(_moments_to_bf16)
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -108,7 +109,8 @@ class AdamWBF16(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16)
                 elif not torch.is_tensor(state["step"]):  # a state saved when the count was an int
                     state["step"] = torch.tensor(float(state["step"]), device=p.device)
-                state["step"] += 1 if found_inf is None else 1 - found_inf
+                # out of place: a state loaded from a live optimizer's state_dict shares its tensors
+                state["step"] = state["step"] + (1 if found_inf is None else 1 - found_inf)
                 t = state["step"].double()  # float64 on the device: torch's host Python floats, exactly
                 step_size = -lr / (1 - beta1 ** t)
                 bias2_sqrt = (1 - beta2 ** t).sqrt()
@@ -129,6 +131,16 @@ class AdamWBF16(torch.optim.Optimizer):
                 state["exp_avg"].copy_(new_m)
                 state["exp_avg_sq"].copy_(new_v)
         return loss
+
+
+def _moments_to_bf16(optimizer: torch.optim.Optimizer) -> None:
+    """torch's `Optimizer.load_state_dict` casts floating state to the parameter's dtype (fp32 here),
+    which would double the moments' memory after a resume; cast them back (exact: they hold bf16
+    values)."""
+    for state in optimizer.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in state:
+                state[key] = state[key].to(torch.bfloat16)
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
