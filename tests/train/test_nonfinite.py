@@ -18,6 +18,7 @@ from dropless.train import checkpoint as ckpt
 from dropless.train.loop import Trainer
 from dropless.train.nonfinite import NonFiniteError
 from dropless.train.optim import build_optimizer, step_unless
+from host_sync import forbid_host_sync
 from tiny_run import tiny
 
 # Every router-buffer rule, each with an optimizer: the loss-free bias moves the bias every step, so
@@ -92,6 +93,21 @@ def test_nonfinite_step_changes_nothing(tmp_path: Path, rule: str) -> None:
     for layer in row["layers"]:  # the skipped step left the counts: steps 0, 1 and 3 remain
         assert sum(layer["counts"]) == 3 * 4 * 32 * 2 or rule == "threshold"
         assert all(v == v for v in layer.values() if isinstance(v, float))  # no NaN leaked in
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_bf16"])
+def test_a_step_with_the_guard_reads_nothing_on_the_host(tmp_path: Path, optimizer: str) -> None:
+    """The flag, the skip (optimizer and router buffers) and the counters stay on the device: a whole
+    non-log training step, skipped or not, makes no host read (a GPU would sync on one)."""
+    trainer = Trainer(tiny(*BUFFER_RULES["bias"], f"train.optimizer={optimizer}"), tmp_path)
+    state = poison(trainer)
+    trainer.train_step(0)
+    with forbid_host_sync("host read in a training step"):
+        trainer.train_step(1)
+        state["on"] = True
+        trainer.train_step(2)
+    trainer.nonfinite.read()
+    assert trainer.nonfinite.take() == 1
 
 
 def test_skipped_first_step_leaves_thresholds_unset(tmp_path: Path) -> None:
