@@ -33,6 +33,9 @@ ACTIVATIONS = ("swiglu", "geglu", "relu2")
 BACKENDS = ("auto", "grouped_mm", "loop", "padded_bmm")
 DROP_POLICIES = ("position", "score")
 PRECISIONS = ("bf16", "mxfp8", "fp8_blockwise", "nvfp4", "mxfp4")
+# Low-precision expert GEMMs split both widths (d_model and d_expert) into whole weight blocks
+# (ops/quant_gemm.py check_widths; tests/test_config_combos.py keeps this table equal to it).
+PRECISION_WIDTH_BLOCK = {"mxfp8": 32, "fp8_blockwise": 128, "nvfp4": 16, "mxfp4": 32}
 STRATEGIES = ("token_choice", "expert_choice", "expert_threshold", "hash", "forced_balance")
 
 
@@ -178,6 +181,12 @@ class MoEConfig:
             self.balance = BalanceConfig(**self.balance)
         self.router.validate(f"{prefix}.router", self.num_experts, self.top_k)
         self.balance.validate(f"{prefix}.balance")
+        if self.capacity_factor is not None and self.router.strategy in ("expert_choice", "expert_threshold"):
+            # their routing has a validity mask (a variable number of experts per token); the capacity
+            # plan takes exactly top_k experts per token (layers/dispatch.py)
+            _fail(f"{prefix}.capacity_factor", self.capacity_factor,
+                  f"the capacity baseline takes a fixed top_k per token; router.strategy="
+                  f"{self.router.strategy!r} has a variable count (set capacity_factor=None)")
         if self.balance.bias_update_rate > 0 and not self.router.use_expert_bias:
             _fail(f"{prefix}.balance.bias_update_rate", self.balance.bias_update_rate,
                   "needs router.use_expert_bias=true")
@@ -304,7 +313,16 @@ class ModelConfig:
             _fail("model.n_dense_layers", self.n_dense_layers, f"must be in [0, n_layers={self.n_layers}]")
         if not self.rope_theta > 0:
             _fail("model.rope_theta", self.rope_theta, "must be > 0")
+        for name in ("init_std", "norm_eps"):  # negative: the init refuses it, or the norm is NaN
+            if not getattr(self, name) >= 0:
+                _fail(f"model.{name}", getattr(self, name), "must be >= 0")
         self.moe.validate("model.moe")
+        block = PRECISION_WIDTH_BLOCK.get(self.moe.precision)
+        if block and self.n_moe_layers:
+            for name, width in (("model.d_model", self.d_model), ("model.moe.d_expert", self.moe.d_expert)):
+                if width % block:
+                    _fail(name, width, f"must be a multiple of {block} with model.moe.precision="
+                          f"{self.moe.precision!r} (its GEMM blocks along both widths)")
 
     @property
     def n_moe_layers(self) -> int:
@@ -328,6 +346,9 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global grad norm (0 = off)
+    # Steps with a non-finite loss or gradient norm are skipped (train/nonfinite.py); this many in a
+    # row stop the run: five different batches failing on unchanged weights is no passing glitch.
+    max_nonfinite_steps: int = 5
     seed: int = 1337
     dtype: str = "bf16"  # autocast dtype for the forward pass; master weights stay fp32
     deterministic: bool = True
@@ -339,7 +360,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_every", "eval_batches",
-                     "ckpt_every", "keep_last"):
+                     "ckpt_every", "keep_last", "max_nonfinite_steps"):
             _positive(f"train.{name}", getattr(self, name))
         _choice("train.optimizer", self.optimizer, OPTIMIZERS)
         _choice("train.schedule", self.schedule, SCHEDULES)
@@ -403,6 +424,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.train.seq_len > self.model.max_seq_len:
             _fail("train.seq_len", self.train.seq_len, f"exceeds model.max_seq_len={self.model.max_seq_len}")
+        if self.data.tokenizer == "byte" and self.model.vocab_size < 256:  # (hf: checked on loading it)
+            _fail("model.vocab_size", self.model.vocab_size, "is below the 256 ids of data.tokenizer='byte'")
         self.parallel.check_run(self.model.moe, self.train)
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from dropless.bench import precision as bench
 from dropless.config import load_config
+from dropless.model import MoEModel
 from dropless.train.run import preset_path
 
 TINY = [
@@ -50,9 +51,10 @@ def test_bench_precision_smoke(tmp_path: Path, capsys: pytest.CaptureFixture) ->
     # same seed, data and weights: only the expert precision differs, and it must change the numbers
     assert rows["mxfp8"]["val_loss"] != base["val_loss"]
     state = record["optimizer_state_bytes"]
-    # Two fp32 moments become two bf16 moments; torch's AdamW also keeps a 4-byte step tensor per
-    # parameter, where AdamWBF16 keeps a Python int, so the ratio is a hair under one half.
-    assert 0.49 < state["adamw_bf16"] / state["adamw"] <= 0.5
+    # Two fp32 moments become two bf16 moments; both keep a 4-byte step tensor per parameter tensor,
+    # so the moments' bytes halve exactly.
+    steps = 4 * len(list(MoEModel(load_config(preset_path("tiny"), TINY).model).parameters()))
+    assert state["adamw_bf16"] - steps == (state["adamw"] - steps) / 2
 
 
 def test_steps_scale_the_schedule() -> None:

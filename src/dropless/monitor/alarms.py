@@ -18,6 +18,12 @@ Rules:
   `drift_window` intervals.
 - dropped / overflow: pairs dropped or EP buffer overflow (never silent on a dropless path).
 - bf16_flips: the bf16-vs-fp32 selection flip rate above `flip_bf16`.
+- nonfinite (whole model, `layer` None): steps of the interval skipped for a non-finite loss or
+  gradient norm (the record's `nonfinite_steps`, train/nonfinite.py).
+
+Balance alarms wait for `warmup_steps` (the trainer passes the learning-rate warm-up);
+`thresholds_for_run` gives a finished run's thresholds, so a report that replays the rules over its
+routing.jsonl holds the same alarms back as the trainer did.
 """
 
 from __future__ import annotations
@@ -57,6 +63,11 @@ ADVICE = {
                  "raise parallel.ragged_buffer_factor or set parallel.retry_on_overflow=true"),
     "bf16_flips": ("the router runs close to ties: a bf16 router would flip expert choices",
                    "keep the router in fp32 (the default); a z-loss keeps logits from growing"),
+    "nonfinite": ("steps skipped: their loss or gradient norm was NaN or Inf (parameters, optimizer "
+                  "state and router buffers were left unchanged)",
+                  "a few are harmless; many point to a learning rate too high (lower train.lr, longer "
+                  "warm-up), bf16 overflow (train.dtype=fp32, moe.act_clamp) or bad data; the run stops "
+                  "after train.max_nonfinite_steps in a row"),
 }
 
 
@@ -84,7 +95,7 @@ class AlarmThresholds:
 @dataclass
 class Alarm:
     kind: str
-    layer: int
+    layer: int | None  # None: the whole model (nonfinite)
     step: int
     metric: str
     value: float
@@ -94,12 +105,13 @@ class Alarm:
     expert: int | None = None
 
     def line(self) -> str:
-        where = f"layer {self.layer}" + (f" expert {self.expert}" if self.expert is not None else "")
+        where = "model" if self.layer is None else f"layer {self.layer}"
+        where += f" expert {self.expert}" if self.expert is not None else ""
         return (f"[dropless health] step {self.step} {where}: {self.kind}: {self.metric}={self.value:.4g} "
                 f"(threshold {self.threshold:.4g}). Likely: {self.cause}. Do: {self.action}.")
 
 
-def _alarm(kind: str, layer: int, step: int, metric: str, value: float, threshold: float,
+def _alarm(kind: str, layer: int | None, step: int, metric: str, value: float, threshold: float,
            expert: int | None = None) -> Alarm:
     cause, action = ADVICE[kind]
     return Alarm(kind, layer, step, metric, float(value), float(threshold), cause, action, expert)
@@ -114,11 +126,13 @@ class HealthMonitor:
     echo: bool = True
     _zero_streak: dict[tuple[int, int], int] = field(default_factory=dict)
     _bias_hist: dict[int, list[float]] = field(default_factory=dict)
-    _reported: set[tuple[int, str]] = field(default_factory=set)
+    _reported: set[tuple[int | None, str]] = field(default_factory=set)
 
     def check(self, record: dict) -> list[Alarm]:
         step = int(record["step"])
         fired = [a for i, row in enumerate(record["layers"]) for a in self._rules(i, step, row)]
+        if record.get("nonfinite_steps"):
+            fired.append(_alarm("nonfinite", None, step, "nonfinite_steps", record["nonfinite_steps"], 0))
         if step < self.thresholds.warmup_steps:
             fired = [a for a in fired if a.kind not in BALANCE_KINDS]
         new = []
@@ -181,6 +195,17 @@ class HealthMonitor:
         fb = row.get("flip_bf16")
         if fb is not None and fb > th.flip_bf16:
             yield _alarm("bf16_flips", i, step, "flip_bf16", fb, th.flip_bf16)
+
+
+def thresholds_for_run(run_dir: str | Path) -> AlarmThresholds:
+    """The thresholds the trainer used for the run in `run_dir`: the defaults, with the balance alarms
+    held back for the run's learning-rate warm-up (train.warmup_steps in its config.toml; 0 when the
+    run has no config, e.g. a record written outside the trainer)."""
+    from ..configtree import load_toml
+
+    path = Path(run_dir) / "config.toml"
+    warmup = load_toml(path).get("train", {}).get("warmup_steps", 0) if path.is_file() else 0
+    return AlarmThresholds(warmup_steps=int(warmup))
 
 
 def read_alarms(run_dir: str | Path) -> list[dict]:

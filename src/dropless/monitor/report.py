@@ -2,7 +2,9 @@
 
 Reads RUN_DIR/routing.jsonl (one row per log interval) and RUN_DIR/health.jsonl (alarms), formats in
 docs/monitoring.md; replays the alarm rules over routing.jsonl as well, so a run whose trainer did
-not run the monitor still gets its alarms. Writes RUN_DIR/health/report.md and its PNGs. Without
+not run the monitor still gets its alarms. The replay uses the run's own thresholds (the balance
+alarms wait for its learning-rate warm-up, as in the trainer: replayed without it, the default run's
+report listed `collapse` alarms from inside the warm-up that the trainer had rightly held back). Writes RUN_DIR/health/report.md and its PNGs. Without
 matplotlib the report is written without plots and says what to install.
 """
 
@@ -13,7 +15,7 @@ import json
 from pathlib import Path
 
 from . import plots
-from .alarms import AlarmThresholds, HealthMonitor, read_alarms
+from .alarms import HealthMonitor, read_alarms, thresholds_for_run
 
 
 def read_rows(run_dir: Path) -> list[dict]:
@@ -54,18 +56,22 @@ def write_report(run_dir: Path, out: Path | None = None) -> Path:
     out = out or run_dir / "health"
     out.mkdir(parents=True, exist_ok=True)
     logged = read_alarms(run_dir)
-    replay = HealthMonitor(None, AlarmThresholds(), echo=False)
+    replay = HealthMonitor(None, thresholds_for_run(run_dir), echo=False)
     replayed = [a for r in rows for a in replay.check(r)]
     seen = {(a["layer"], a["kind"]) for a in logged}
     alarms = logged + [vars(a) for a in replayed if (a.layer, a.kind) not in seen]
+    nonfinite = sum(r.get("nonfinite_steps", 0) for r in rows)
+    skipped = sum(r.get("skipped_steps", 0) for r in rows)
     lines = [f"# Routing health: {run_dir}", "",
              f"{len(rows)} log steps ({rows[0]['step']}..{rows[-1]['step']}), "
-             f"{max(len(r['layers']) for r in rows)} MoE layers, {len(alarms)} alarms.", "", "## Alarms", ""]
+             f"{max(len(r['layers']) for r in rows)} MoE layers, {len(alarms)} alarms.", "",
+             f"Skipped steps (not applied, left out of the counts): {skipped}, of which {nonfinite} for a "
+             "non-finite loss or gradient norm.", "", "## Alarms", ""]
     if alarms:
         lines += ["| step | layer | expert | kind | metric | value | threshold | likely cause | what to do |",
                   "|---|---|---|---|---|---|---|---|---|"]
-        for a in sorted(alarms, key=lambda a: (a["step"], a["layer"])):
-            lines.append(f"| {a['step']} | {a['layer']} | {_fmt(a.get('expert'))} | {a['kind']} | {a['metric']} "
+        for a in sorted(alarms, key=lambda a: (a["step"], -1 if a["layer"] is None else a["layer"])):
+            lines.append(f"| {a['step']} | {_fmt(a['layer'])} | {_fmt(a.get('expert'))} | {a['kind']} | {a['metric']} "
                          f"| {_fmt(a['value'])} | {_fmt(a['threshold'])} | {a['cause']} | {a['action']} |")
     else:
         lines.append("None.")

@@ -89,11 +89,29 @@ def bf16_flip_rate(router: Router, x_TD: torch.Tensor) -> torch.Tensor:
 class StepAccumulator:
     """Device-side sums of the layers' statistics over micro-batches, steps and one log interval.
 
-    Per micro-batch: `add(layer, out.stats, out.aux_loss)` for every MoE layer.
-    Per optimizer step: all-reduce `step_counts_LE` (sum) over data-parallel ranks if any (the
-    global aux loss and the bias rules need the same sum), then `end_step()`.
-    Per log interval: all-reduce `interval_tensors()` with the op named for each, then
-    `record(step, ...)` (one host sync), which also resets the interval.
+    Per optimizer step: `begin_step()`; per micro-batch `add(layer, out.stats, out.aux_loss)` for
+    every MoE layer; then all-reduce `step_counts_LE` (sum) over data-parallel ranks if any (the
+    global aux loss and the bias rules need the same sum) and `end_step(skip, nonfinite)`.
+
+    A step the trainer skipped (`skip`, a device bool: non-finite loss or gradient, or buffered EP
+    overflow without retry) is left out of the interval: its counts, MaxVio, aux loss, output and
+    router statistics are restored to their values at `begin_step` on the device, except its dropped
+    pairs, which are why an EP step is skipped and must show. The record counts the interval's
+    skipped steps (`skipped_steps`) and those skipped for a non-finite loss or gradient
+    (`nonfinite_steps`). So the record's counts are those of the applied steps, the ones the router
+    buffers learned from.
+    Per log interval: `all_reduce(fn)` over data-parallel ranks, then `record(step, ...)` (one host
+    sync), which also resets the interval.
+
+    Which interval tensors are per rank and which already global: `counts_LE` and
+    `maxvio_global_L` are built from the step counts after their all-reduce, so they are global
+    (identical on every rank) and must not be reduced again (summing them over W ranks made the
+    record's counts W times too large). Everything `add` accumulates per micro-batch is this rank's
+    own: sums (dropped pairs, aux-loss sums and their count, output sums of squares with the counts
+    they go with, entropy and top-1/top-2 sums and their count) are summed over ranks, the local
+    MaxVio takes the max. Under expert parallelism a rank's `out_sq_E` covers its own experts (the
+    rows it received from its EP group) and zeros elsewhere, so the sum over all ranks counts each
+    row once, like `detail_counts_LE` counts each token once.
     """
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int,
@@ -110,6 +128,12 @@ class StepAccumulator:
         self.out_sq_LE = z(num_layers, num_experts)
         self.detail_counts_LE = z(num_layers, num_experts)  # counts of the calls that had out_sq
         self.entropy_sum_L, self.top12_sum_L, self.detail_n_L = z(num_layers), z(num_layers), z(num_layers)
+        self.skipped_steps, self.nonfinite_steps = z(()), z(())  # global: the flags agree over ranks
+        self._at_begin: dict[str, torch.Tensor] | None = None  # the interval at begin_step (class note)
+
+    def begin_step(self) -> None:
+        """Remember the interval as it stands, so that `end_step(skip)` can leave the step out."""
+        self._at_begin = {n: t.clone() for n, (t, _) in self.interval_tensors().items()}
 
     def add(self, layer: int, stats: MoEStats, aux_loss: torch.Tensor | None = None) -> None:
         counts = stats.tokens_per_expert_E.detach().float()
@@ -127,20 +151,35 @@ class StepAccumulator:
             self.top12_sum_L[layer] += stats.top1_top2_ratio.float()
             self.detail_n_L[layer] += 1
 
-    def end_step(self) -> None:
+    def end_step(self, skip: torch.Tensor | None = None, nonfinite: torch.Tensor | None = None) -> None:
+        """Close the step; `skip` / `nonfinite`: device bools from the trainer (class note)."""
         step = self.step_counts_LE
         vio_L = torch.stack([maxvio_device(step[i]) for i in range(self.L)])
         self.maxvio_global_L = torch.maximum(self.maxvio_global_L, vio_L)
         self.counts_LE += step
         step.zero_()
+        if skip is not None:
+            if self._at_begin is None:
+                raise RuntimeError("StepAccumulator.end_step(skip): begin_step() was not called")
+            for name, (t, _) in self.interval_tensors().items():
+                if name not in ("dropped_L", "skipped_steps", "nonfinite_steps"):
+                    t.copy_(torch.where(skip, self._at_begin[name], t))
+            self.skipped_steps += skip
+        if nonfinite is not None:
+            self.nonfinite_steps += nonfinite
+        self._at_begin = None
 
     def interval_tensors(self) -> dict[str, tuple[torch.Tensor, str]]:
-        """Tensors to all-reduce over data-parallel ranks before `record`: name -> (tensor, op)."""
+        """The interval's tensors: name -> (tensor, how `all_reduce` combines it over data-parallel
+        ranks: "sum", "max", or "global" for tensors that already span all ranks)."""
         t = {n: (getattr(self, n), "sum") for n in (
-            "counts_LE", "dropped_L", "aux_sum_L", "aux_n_L", "out_sq_LE", "detail_counts_LE",
+            "dropped_L", "aux_sum_L", "aux_n_L", "out_sq_LE", "detail_counts_LE",
             "entropy_sum_L", "top12_sum_L", "detail_n_L")}
         t["maxvio_local_L"] = (self.maxvio_local_L, "max")
-        t["maxvio_global_L"] = (self.maxvio_global_L, "max")
+        t["counts_LE"] = (self.counts_LE, "global")
+        t["maxvio_global_L"] = (self.maxvio_global_L, "global")
+        t["skipped_steps"] = (self.skipped_steps, "global")
+        t["nonfinite_steps"] = (self.nonfinite_steps, "global")
         return t
 
     def record(self, step: int, *, flip_bf16: Sequence[float | torch.Tensor | None] | None = None,
@@ -162,6 +201,7 @@ class StepAccumulator:
             self.entropy_sum_L, self.top12_sum_L, self.detail_n_L,
             torch.stack([dev(v) for v in fb]), torch.stack([dev(v) for v in fs]),
             torch.stack([dev(v) for v in ov]), torch.stack(bias_max),
+            self.skipped_steps.reshape(1), self.nonfinite_steps.reshape(1),
         ]).tolist()
         LE = L * self.E
         counts, out_sq, dcounts = host[:LE], host[LE:2 * LE], host[2 * LE:3 * LE]
@@ -186,7 +226,8 @@ class StepAccumulator:
                 "bias_abs_max": nan(bmh[i]), "top_k": self.top_k,
             })
         self.reset()
-        return {"step": int(step), "layers": layers}
+        return {"step": int(step), "layers": layers, "skipped_steps": int(host[-2]),
+                "nonfinite_steps": int(host[-1])}
 
     def reset(self) -> None:
         for name, (t, _) in self.interval_tensors().items():
@@ -242,6 +283,8 @@ class StepAccumulator:
         return out
 
     def all_reduce(self, fn: Callable[[torch.Tensor, str], None]) -> None:
-        """Apply `fn(tensor, op)` (op "sum" or "max") to every interval tensor, in a fixed order."""
+        """Apply `fn(tensor, op)` (op "sum" or "max") to every per-rank interval tensor, in a fixed
+        order; the global ones are left alone (class note)."""
         for _, (t, op) in sorted(self.interval_tensors().items()):
-            fn(t, op)
+            if op != "global":
+                fn(t, op)

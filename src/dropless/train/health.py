@@ -6,6 +6,12 @@ that move router buffers (loss-free bias, quantile balancing, expert-threshold E
 optimizer step, outside the forward pass, so gradient accumulation or recompute never count a step
 twice. Per log interval: one host sync for the whole record, probe-batch flip rates, the alarms.
 
+A skipped step changes nothing. The trainer skips a step on the device (a non-finite loss or
+gradient norm, train/nonfinite.py; buffered EP overflow without retry, overflow.py) and passes the
+flag to `end_step(skip)`: every buffer rule then writes `where(skip, old, new)`, so the expert bias
+and the thresholds keep their values bit for bit, without a host read; the step's statistics leave
+the routing record (monitor/stats.py StepAccumulator, which counts the skipped steps instead).
+
 The probe batch is fixed for the run (the first validation window), so the step-to-step flip rate
 measures the router changing, not the data.
 
@@ -90,6 +96,8 @@ class TrainHealth:
         for layer in self.layers:
             layer.detailed_stats = log_step
         self._quantile, self._threshold, self._n_micro = [], [], 0
+        if self.layers:
+            self.acc.begin_step()
 
     def add_micro(self, out: ModelOutput) -> None:
         if not self.layers:  # a dense model (the `dense` baseline): nothing to watch
@@ -122,25 +130,37 @@ class TrainHealth:
         self.begin_step(log_step)
 
     @torch.no_grad()
-    def end_step(self) -> None:
-        """After the optimizer step: reduce counts over ranks, apply the buffer rules, close the step."""
+    def end_step(self, skip: torch.Tensor | None = None, nonfinite: torch.Tensor | None = None) -> None:
+        """After the optimizer step: reduce counts over ranks, apply the buffer rules, close the step.
+        `skip` (device bool): the step was not applied, so no buffer moves (module note);
+        `nonfinite` (device bool): it was skipped for a non-finite loss or gradient norm."""
         if not self.layers:
             return
         self.reduce(self.acc.step_counts_LE, "sum")
+
+        def keep(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+            return new if skip is None else torch.where(skip, old, new)
+
         bal = self.cfg.balance
         if bal.bias_update_rate > 0:
             for i, layer in enumerate(self.layers):
                 bias = layer.router.expert_bias
-                layer.router.set_bias(balance.bias_update(bias, self.acc.step_counts_LE[i], bal.bias_update_rate))
+                new = balance.bias_update(bias, self.acc.step_counts_LE[i], bal.bias_update_rate)
+                layer.router.set_bias(keep(bias, new))
         if self._quantile:
             q_LE = self._mean_over_micro_and_ranks(self._quantile)
             for i, layer in enumerate(self.layers):
-                layer.router.set_bias(q_LE[i])
+                layer.router.set_bias(keep(layer.router.expert_bias, q_LE[i]))
         if self._threshold:
             t_LE = self._mean_over_micro_and_ranks(self._threshold)
             for i, layer in enumerate(self.layers):
-                layer.router.update_threshold(t_LE[i])
-        self.acc.end_step()
+                r = layer.router
+                old = (r.threshold_E.clone(), r.threshold_ready.clone())
+                r.update_threshold(t_LE[i])
+                if skip is not None:
+                    r.threshold_E.copy_(keep(old[0], r.threshold_E))
+                    r.threshold_ready.copy_(keep(old[1], r.threshold_ready))
+        self.acc.end_step(skip, nonfinite)
 
     # -- per log interval ---------------------------------------------------------------------------
 

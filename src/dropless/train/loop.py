@@ -4,7 +4,9 @@ Per optimizer step: `grad_accum` micro-batches (each `batch_size` x `seq_len` to
 of (seed, step, micro-step), so a resumed run sees the same batches), forward under autocast with fp32
 master weights, backward of loss / grad_accum, global-norm clipping, AdamW, the learning rate from the
 schedule. The MoE layers' statistics stay on the device and are summed over the step; the host reads
-them (one sync) every `log.log_every` steps, together with the loss.
+them (one sync) every `log.log_every` steps, together with the loss. A step whose loss or gradient
+norm is not finite is skipped on the device, counted (`nonfinite_steps` in the log rows) and, after
+`train.max_nonfinite_steps` in a row, stops the run (nonfinite.py).
 
 Resume is exact: a checkpoint holds model, optimizer, step, RNG state and the routing monitor's running
 sums; batches and learning rates are functions of the step; the logs are cut back to the checkpoint's
@@ -40,7 +42,8 @@ from . import checkpoint as ckpt
 from . import dist_checkpoint
 from .data import eval_batches, get_batch, load_splits
 from .health import TrainHealth, global_aux_terms
-from .optim import build_optimizer
+from .nonfinite import NonFiniteGuard
+from .optim import build_optimizer, step_unless
 from .resume import check_resume_config, report_resume
 from .overflow import OverflowGuard
 from .schedule import lr_at
@@ -61,7 +64,6 @@ class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: str | Path, resume: bool = False) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         t = cfg.train
         if t.threads:
             torch.set_num_threads(t.threads)
@@ -107,7 +109,14 @@ class Trainer:
                                                                      cfg.model.moe.top_k)
             self.overflow = OverflowGuard(self.optimizer, reduce, capacity, p.ragged_buffer_factor,
                                           p.overflow_check_every)
+        self.nonfinite = NonFiniteGuard(t.max_nonfinite_steps, reduce, device=self.model.embed.weight.device)
         self.start_step = 0
+        probe = next(iter(eval_batches(self.val_tokens, min(4, t.batch_size), t.seq_len, 1)))[0]
+        if resume and ckpt.latest_checkpoint(self.run_dir) is None:
+            raise FileNotFoundError(f"--resume: no complete checkpoint under {self.run_dir / 'checkpoints'}")
+        # The first write, after everything a bad config or data path can fail on: a failed start
+        # leaves no run directory behind and writes nothing into an existing one.
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics = JsonlLog(self.run_dir / "metrics.jsonl")
         self.routing = JsonlLog(self.run_dir / "routing.jsonl")
         self.health_log = JsonlLog(self.run_dir / "health.jsonl")
@@ -116,7 +125,6 @@ class Trainer:
         elif self.is_main:
             for log in (self.metrics, self.routing, self.health_log):
                 log.truncate_from(0)
-        probe = next(iter(eval_batches(self.val_tokens, min(4, t.batch_size), t.seq_len, 1)))[0]
         self.health = TrainHealth(self.model, self.run_dir, probe, all_reduce=reduce,
                                   echo=cfg.log.progress, write=self.is_main,
                                   alarm_warmup=t.warmup_steps)
@@ -241,12 +249,13 @@ class Trainer:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
         else:
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
-        if invalid is not None:
-            guard.guarded_step(invalid)
-        else:
-            self.optimizer.step()
+        # a step with a non-finite loss or gradient norm, or an unhandled EP overflow, is skipped on the
+        # device: optimizer and router buffers unchanged (nonfinite.py)
+        bad = self.nonfinite.flag(sums.loss, grad_norm)
+        skip = bad if invalid is None else bad | invalid
+        step_unless(self.optimizer, skip)
         self.optimizer.zero_grad(set_to_none=True)
-        self.health.end_step()
+        self.health.end_step(skip, nonfinite=bad)
         return sums, grad_norm
 
     def _forward_backward(self, step: int, log_step: bool) -> tuple[StepLosses, torch.Tensor, torch.Tensor]:
@@ -328,11 +337,11 @@ class Trainer:
                     last_time, last_step = now, step + 1
                     row = self.log_row(step, stats, grad_norm, tps)
                     row["step_ms"] = step_ms
-                    if not math.isfinite(row["loss"]):
-                        raise FloatingPointError(f"loss is {row['loss']} at step {step}: stopping "
-                                                 "(the last checkpoint is intact)")
+                    self.nonfinite.read()
+                    row["nonfinite_steps"] = self.nonfinite.take()  # skipped since the last row
                     if self.is_main:
                         self.metrics.write(row)
+                    self.nonfinite.stop_if_stuck(step)
                     tb.scalars(step, row)
                     fields = {"loss": f"{row['loss']:.3f}", "tok/s": f"{tps:,.0f}"}
                     if "maxvio_global" in row:
@@ -348,6 +357,8 @@ class Trainer:
                 if self.overflow is not None and (save or (step + 1) % self.overflow.check_every == 0):
                     self.overflow.check(step)  # before a checkpoint, so none covers a skipped step unseen
                 if save:
+                    self.nonfinite.read()
+                    self.nonfinite.stop_if_stuck(step)  # a run that keeps failing writes no more
                     self.save(step + 1)
         finally:
             bar.close()
@@ -368,6 +379,7 @@ class Trainer:
                              if train_rows else None),
             "params_total": params["total"],
             "params_active": params["active"],
+            "nonfinite_steps": sum(r.get("nonfinite_steps", 0) for r in train_rows),  # resumes included
             "wall_s_this_process": wall_s,
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

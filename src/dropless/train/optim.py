@@ -4,6 +4,14 @@
 per parameter); "adamw_bf16" is `optim_lowp.AdamWBF16`, the same update with both moments stored in
 bf16 (4 bytes per parameter; round-to-nearest, which suits the default beta2 = 0.95, see its notes).
 
+Both can skip a step on the device (`step_unless`): torch's fused AdamW and AdamWBF16 read the
+optimizer attribute `found_inf` (torch.amp.GradScaler's protocol: a float scalar tensor, 1.0 = skip)
+and leave parameters, moments and the step count bit-identical, with no host read and no copy of the
+state. That is why "adamw" is the fused implementation (torch 2.13 has fused AdamW kernels for CPU and
+CUDA; its foreach and single-tensor paths refuse `found_inf`); it differs from the foreach one by an
+ulp or so per step (another order of the same operations). On a device without fused kernels (e.g.
+`meta`) it falls back to foreach, which cannot skip: `step_unless` then refuses a skip flag.
+
 No decay on one-dimensional parameters (norm gains, biases): shrinking them toward zero fights the
 normalisation and buys nothing. Buffers (the router's expert bias, rotary tables) are not parameters
 and are never touched by the optimizer; balancing rules move the expert bias.
@@ -16,6 +24,9 @@ from torch import nn
 
 from ..config import TrainConfig
 from .optim_lowp import AdamWBF16
+
+# Devices with fused AdamW kernels (torch >= 2.4; torch.utils._foreach_utils lists them, privately).
+FUSED_DEVICES = ("cpu", "cuda", "xpu", "mps")
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -33,8 +44,32 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     groups = param_groups(model, cfg.weight_decay)
     if cfg.optimizer == "adamw":
+        fused = all(p.device.type in FUSED_DEVICES for g in groups for p in g["params"])
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                                 foreach=True)
+                                 fused=fused or None, foreach=None if fused else True)
     if cfg.optimizer == "adamw_bf16":
         return AdamWBF16(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     raise ValueError(f"train.optimizer={cfg.optimizer!r}: unknown optimizer")
+
+
+def can_skip(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step()` honours `found_inf` (module note)."""
+    if isinstance(optimizer, AdamWBF16):
+        return True
+    return isinstance(optimizer, torch.optim.Adam) and all(g.get("fused") for g in optimizer.param_groups)
+
+
+def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor | None) -> None:
+    """`optimizer.step()`, skipped on the device where `skip` (a bool scalar tensor) is true: no host
+    read; parameters and optimizer state are left bit-identical."""
+    if skip is None:
+        optimizer.step()
+        return
+    if not can_skip(optimizer):
+        raise ValueError(f"{type(optimizer).__name__} (not fused) cannot skip a step on the device; "
+                         "use torch's fused AdamW or AdamWBF16")
+    optimizer.found_inf = skip.float()  # type: ignore[attr-defined]
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf  # type: ignore[attr-defined]

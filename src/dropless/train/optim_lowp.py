@@ -25,6 +25,15 @@ precision: 8 significant bits, a relative rounding error up to 2^-9 per store.
   default because it makes runs depend on an RNG stream; turn it on for beta2 >= 0.99 and long runs.
   Storing sqrt(v) instead does not help: it halves the relative size of each increment.
 
+Skipping a step on the device. Like torch's fused AdamW (and torch.amp.GradScaler's protocol), the
+optimizer reads an optional attribute `found_inf`: a float scalar tensor, 1.0 = skip this step. A
+skipped step leaves parameters, moments and the step count bit-identical, decided on the device with
+`torch.where` (no host read): the step count is a float32 tensor on the parameter's device (as in
+torch's AdamW) and the bias corrections are computed from it in float64 on the device, which rounds
+exactly like torch's host-side Python floats. The new values are computed into temporaries first (the
+update already holds fp32 copies of the moments), so a skip costs one `where` per tensor, no copy of
+the whole state. train/nonfinite.py sets the flag for non-finite steps.
+
 `state_bytes(optimizer)` reports the bytes held in optimizer state, to compare with torch's AdamW.
 """
 
@@ -54,7 +63,8 @@ class AdamWBF16(torch.optim.Optimizer):
 
     Parameters must be fp32 (they are the master weights). amsgrad, maximize and foreach are not
     supported. `rounding` is how moments are stored: "nearest" or "stochastic" (see module note);
-    `generator` seeds the stochastic rounding.
+    `generator` seeds the stochastic rounding. Set `found_inf` (float scalar tensor, 1.0 = skip)
+    before `step()` to skip a step on the device (module note).
     """
 
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict], lr: float = 1e-3,
@@ -73,6 +83,7 @@ class AdamWBF16(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.rounding = rounding
         self.generator = generator
+        self.register_load_state_dict_post_hook(_moments_to_bf16)
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -80,6 +91,8 @@ class AdamWBF16(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        found_inf = getattr(self, "found_inf", None)
+        skip = None if found_inf is None else found_inf > 0
         for group in self.param_groups:
             lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
@@ -91,33 +104,43 @@ class AdamWBF16(torch.optim.Optimizer):
                     raise ValueError("AdamWBF16 does not support sparse gradients")
                 state = self.state[p]
                 if not state:
-                    state["step"] = 0
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                     state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16)
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16)
-                state["step"] += 1
-                t = state["step"]
+                elif not torch.is_tensor(state["step"]):  # a state saved when the count was an int
+                    state["step"] = torch.tensor(float(state["step"]), device=p.device)
+                # out of place: a state loaded from a live optimizer's state_dict shares its tensors
+                state["step"] = state["step"] + (1 if found_inf is None else 1 - found_inf)
+                t = state["step"].double()  # float64 on the device: torch's host Python floats, exactly
+                step_size = -lr / (1 - beta1 ** t)
+                bias2_sqrt = (1 - beta2 ** t).sqrt()
                 g = p.grad.float()
                 m = state["exp_avg"].float().lerp_(g, 1 - beta1)  # m + (1 - b1)(g - m), torch's form
                 v = state["exp_avg_sq"].float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                p.mul_(1 - lr * wd)
-                bias1 = 1 - beta1 ** t
-                bias2_sqrt = (1 - beta2 ** t) ** 0.5
                 denom = (v.sqrt() / bias2_sqrt).add_(eps)
-                p.addcdiv_(m, denom, value=-lr / bias1)
-                state["exp_avg"].copy_(round_to_bf16(m, self.rounding, self.generator))
-                state["exp_avg_sq"].copy_(round_to_bf16(v, self.rounding, self.generator))
+                # p * (1 - lr * wd) + (step_size * m) / denom: torch's mul_ then addcdiv_, same roundings
+                new_p = p * (1 - lr * wd)
+                new_p += m * step_size / denom
+                new_m = round_to_bf16(m, self.rounding, self.generator)
+                new_v = round_to_bf16(v, self.rounding, self.generator)
+                if skip is not None:
+                    new_p = torch.where(skip, p, new_p)
+                    new_m = torch.where(skip, state["exp_avg"], new_m)
+                    new_v = torch.where(skip, state["exp_avg_sq"], new_v)
+                p.copy_(new_p)
+                state["exp_avg"].copy_(new_m)
+                state["exp_avg_sq"].copy_(new_v)
         return loss
 
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        # torch.optim.Optimizer.load_state_dict casts floating-point state to the parameter's dtype
-        # (fp32 here): store the moments in bf16 again. Their values are bf16 numbers, so this is
-        # exact; without it a resumed run would hold fp32 moments (twice the memory).
-        super().load_state_dict(state_dict)
-        for state in self.state.values():
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in state:
-                    state[key] = state[key].to(torch.bfloat16)
+def _moments_to_bf16(optimizer: torch.optim.Optimizer) -> None:
+    """torch's `Optimizer.load_state_dict` casts floating state to the parameter's dtype (fp32 here),
+    which would double the moments' memory after a resume; cast them back (exact: they hold bf16
+    values)."""
+    for state in optimizer.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in state:
+                state[key] = state[key].to(torch.bfloat16)
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -6,14 +6,16 @@ unless it must:
 
 - Counting: per step, the dropped pairs of every layer and micro-batch are summed and all-reduced over
   the data-parallel group (so every rank agrees), with the largest per-link demand (max). Device only.
-- Skip (`retry_on_overflow=false`): the optimizer update of an overflowing step is undone on the
-  device. Design: before `optimizer.step()` the parameters and optimizer state (the local shards)
-  are copied; after it, each is set to `where(invalid, copy, new)`. Zeroing the gradients is not a
-  skip: AdamW still decays the weights, moves both moments and counts the step. A device-side flag
-  inside the optimizer would avoid the copy but means owning the optimizer's kernel (fused or
-  foreach); the copy costs one extra set of (parameters + optimizer state) per rank, in buffered
-  mode only, and is exact for any optimizer whose state is tensors. The state is created eagerly
-  (zero moments, step 0, what AdamW's first step creates), so a skipped first step restores it too.
+- Skip (`retry_on_overflow=false`): an overflowing step is not applied, decided on the device.
+  `note()` returns the flag; the trainer ORs it with the non-finite flag (nonfinite.py) and the
+  optimizer skips through `found_inf` (optim.step_unless: torch's fused AdamW leaves parameters,
+  moments and its step count bit-identical, with no copy of the state), and the router buffer rules
+  take the same flag (TrainHealth.end_step), so the expert bias and thresholds do not move either.
+  Zeroing the gradients would not be a skip: AdamW would still decay the weights, move both moments
+  and count the step. (This mode used to copy parameters and optimizer state before the step and
+  restore them with `where`: one extra copy of the training state per rank.) The state is created
+  eagerly (zero moments, step 0, what AdamW's first step creates), so the state after a skipped
+  first step equals the state before it.
 - Check: every `overflow_check_every` steps (and before each checkpoint and at the end) the host
   reads the counters (one sync) and raises `EPOverflowError` with the observed demand and the
   configured capacity. Between checks the skipped steps cost nothing but their compute.
@@ -28,25 +30,21 @@ unless it must:
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
-
 from ..layers.moe import MoEStats
 from .health import AllReduce
+from .optim import can_skip
 
 
 class EPOverflowError(RuntimeError):
     """Buffered expert parallelism dropped pairs: the steps were skipped, the run stops."""
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 class OverflowGuard:
     def __init__(self, optimizer: torch.optim.Optimizer, reduce: AllReduce, capacity: int,
                  factor: float, check_every: int) -> None:
-        if not isinstance(optimizer, torch.optim.AdamW):
-            raise ValueError(f"EP overflow skip: optimizer {type(optimizer).__name__} has no eager state init")
+        if not (isinstance(optimizer, torch.optim.AdamW) and can_skip(optimizer)):
+            raise ValueError(f"EP overflow skip: optimizer {type(optimizer).__name__} has no eager state "
+                             "init or cannot skip a step on the device (needs torch's fused AdamW)")
         self.optimizer, self.reduce = optimizer, reduce
         self.capacity, self.factor, self.check_every = capacity, factor, check_every
         self.dropped = torch.zeros((), dtype=torch.int64)  # unhandled dropped pairs since the last check
@@ -60,8 +58,8 @@ class OverflowGuard:
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 if p not in self.optimizer.state:
-                    self.optimizer.state[p] = {
-                        "step": torch.tensor(0.0, dtype=torch.float32),
+                    self.optimizer.state[p] = {  # on the parameter's device, as fused AdamW keeps it
+                        "step": torch.zeros((), dtype=torch.float32, device=p.device),
                         "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                         "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
@@ -84,25 +82,12 @@ class OverflowGuard:
         return dropped, demand
 
     def note(self, dropped: torch.Tensor, demand: torch.Tensor) -> torch.Tensor:
-        """Record an unhandled step; returns the device flag `invalid` for `guarded_step`."""
+        """Record an unhandled step; returns the device flag `invalid`: skip this step."""
         invalid = dropped > 0
         self.dropped += dropped
         self.skipped += invalid.long()
         self.demand = torch.maximum(self.demand, demand)
         return invalid
-
-    @torch.no_grad()
-    def guarded_step(self, invalid: torch.Tensor) -> None:
-        """optimizer.step(), undone on the device where `invalid` (module note)."""
-        tensors = []
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                tensors.append(_local(p))
-                tensors += [_local(v) for v in self.optimizer.state[p].values() if torch.is_tensor(v)]
-        saved = [t.clone() for t in tensors]
-        self.optimizer.step()
-        for t, old in zip(tensors, saved):
-            t.copy_(torch.where(invalid, old, t))
 
     def check(self, step: int) -> None:
         """Host read (one sync): raise if any step since the last check dropped pairs."""
