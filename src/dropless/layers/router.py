@@ -64,7 +64,10 @@ class Router(nn.Module):
         nn.init.normal_(self.weight, std=self.weight.shape[1] ** -0.5)
 
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(device_type=x_TD.device.type, enabled=False):
+        dev = x_TD.device.type
+        if not torch.amp.is_autocast_available(dev):  # e.g. "meta": no autocast there to turn off
+            return torch.nn.functional.linear(x_TD.float(), self.weight.float())
+        with torch.autocast(device_type=dev, enabled=False):
             return torch.nn.functional.linear(x_TD.float(), self.weight.float())
 
     def selection_base(self, decision: RoutingDecision) -> torch.Tensor:

@@ -67,7 +67,9 @@ class TrainHealth:
         """Continue as if never stopped: the probe ids of the last log step come from the checkpoint;
         the alarm rules' memory (streaks, what was already reported) is rebuilt by replaying the
         routing rows written before the checkpoint, without printing or writing them again."""
-        self.prev_probe_ids = list(state.get("prev_probe_ids", self.prev_probe_ids))
+        dev = self.acc.device  # the checkpoint may come from another device
+        self.prev_probe_ids = [None if p is None else p.to(dev)
+                               for p in state.get("prev_probe_ids", self.prev_probe_ids)]
         run_dir, echo = self.monitor.run_dir, self.monitor.echo
         self.monitor.run_dir, self.monitor.echo = None, False
         for row in routing_rows:

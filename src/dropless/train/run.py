@@ -96,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.nproc and not under_torchrun:
             return launch(args, argv, choose_run_dir(args, path.stem))
         from ..distributed.parallelize import init_distributed
+        from .device import resolve_device
 
-        distributed = init_distributed()
+        distributed = init_distributed(resolve_device(cfg.train.device)[0])
         run_dir = choose_run_dir(args, path.stem) if not distributed or _rank() == 0 else None
         if distributed:
             run_dir = _broadcast(run_dir)
