@@ -147,3 +147,23 @@ def test_batches_follow_the_device() -> None:
     x_cpu, y_cpu = get_batch(tokens, 3, 0, 4, 16, seed=0)
     assert x_cpu.device == CPU and torch.equal(get_batch(tokens, 3, 0, 4, 16, seed=0, device=CPU)[0], x_cpu)
     assert all(b.device.type == "meta" for b, _ in eval_batches(tokens, 4, 16, 2, device=torch.device("meta")))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_bench_layer_refuses_cuda_without_cuda(capsys) -> None:
+    from dropless.bench import layer as bench
+
+    assert bench.main(["--shape", "tiny", "--device", "cuda"]) == 2
+    assert "--device cuda: CUDA is not available" in capsys.readouterr().err
+
+
+def test_bench_layer_builds_every_variant_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    # meta: every variant's inputs and parameters land on the requested device (the setup's routing
+    # statistics are read from the host copy of the ids). The transformers baseline compares its
+    # output on the host, so it stays out.
+    from dropless.bench import hf_baseline
+    from dropless.bench import layer as bench
+
+    monkeypatch.setattr(hf_baseline, "available", lambda: False)
+    variants, meta = bench.build_variants("tiny", "balanced", torch.bfloat16, device=torch.device("meta"))
+    assert meta["device"] == "meta" and "dropless" in variants

@@ -112,9 +112,9 @@ def build_variants(shape: str, routing: str, dtype: torch.dtype, seed: int = 0,
     """Every variant as (fwd, fwd_bwd) closures, plus metadata about the routing."""
     T, D, E, K, Fw = SHAPES[shape]
     gen = torch.Generator().manual_seed(seed)
-    ids_TK = balanced_ids(T, E, K, gen) if routing == "balanced" else skewed_ids(T, E, K, gen)
+    host_ids_TK = balanced_ids(T, E, K, gen) if routing == "balanced" else skewed_ids(T, E, K, gen)
     x_TD = torch.randn(T, D, generator=gen).to(device=device, dtype=dtype).requires_grad_(True)
-    ids_TK = ids_TK.to(device)
+    ids_TK = host_ids_TK.to(device)  # the setup statistics below read host_ids_TK
 
     def moe(**kw) -> MoELayer:
         torch.manual_seed(seed)  # same weights in every MoE variant (drawn on the CPU, then moved)
@@ -153,7 +153,7 @@ def build_variants(shape: str, routing: str, dtype: torch.dtype, seed: int = 0,
     add("loop_reference", lambda x: loop(x, replay_ids=ids_TK).y, x_TD, _params(loop))
 
     # Smallest factor whose capacity C = ceil(factor * P / E) equals the largest load: drops nothing.
-    max_load = int(torch.bincount(ids_TK.reshape(-1), minlength=E).max())
+    max_load = int(torch.bincount(host_ids_TK.reshape(-1), minlength=E).max())
     factor = max_load * E / (T * K)
     while P.capacity(T, K, E, factor) < max_load:
         factor *= 1 + 1e-9
@@ -162,7 +162,7 @@ def build_variants(shape: str, routing: str, dtype: torch.dtype, seed: int = 0,
 
     meta = {"shape": shape, "T": T, "d": D, "E": E, "k": K, "f": Fw, "routing": routing,
             "dtype": str(dtype).removeprefix("torch."), "device": str(device),
-            "max_vio": max_vio(ids_TK, E),
+            "max_vio": max_vio(host_ids_TK, E),
             "capacity_factor": factor,
             "zipf_exponent": ZIPF_EXPONENT if routing == "skewed" else None}
     if hf_baseline.available():

@@ -76,7 +76,8 @@ class _WeightedSwiGLU(torch.autograd.Function):
         h_R2F, s, w_R = ctx.saved_tensors
         gate, up = h_R2F.chunk(2, dim=-1)
         if torch.compiler.is_compiling():
-            return _swiglu_backward_functional(grad_RF, gate, up, s, w_R, ctx.needs_input_grad[1], ctx.w_dtype)
+            return _swiglu_backward_functional(grad_RF, gate, up, s, w_R, ctx.needs_input_grad[1],
+                                               ctx.w_dtype)
         F_ = gate.shape[-1]
         grad_h = grad_RF.new_empty(gate.shape[0], 2 * F_)
         g_up = grad_RF * up
