@@ -6,7 +6,9 @@ from __future__ import annotations
 from dropless.config import RunConfig, load_config
 
 # 2 layers of width 32, 4 experts top-2, 20 steps of 4 x 32 tokens on 200 kB of the corpus: seconds.
+# On the CPU whatever the machine (tests/test_cuda.py asks for cuda explicitly).
 TINY = [
+    "train.device=cpu",
     "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.max_seq_len=32",
     "model.d_ff_dense=64", "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.d_expert=32",
     "train.batch_size=4", "train.seq_len=32", "train.steps=20", "train.warmup_steps=2",

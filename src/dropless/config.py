@@ -279,7 +279,8 @@ class ParallelConfig:
 
 SCHEDULES = ("cosine", "wsd", "constant")
 TOKENIZERS = ("byte", "hf")
-DTYPES = ("bf16", "fp32")
+DTYPES = ("auto", "bf16", "fp32")  # "auto": bf16 on CUDA and AMX CPUs, else fp32 (train/device.py)
+DEVICES = ("auto", "cpu", "cuda")  # "auto": CUDA when present
 OPTIMIZERS = ("adamw", "adamw_bf16")
 
 
@@ -350,7 +351,12 @@ class TrainConfig:
     # row stop the run: five different batches failing on unchanged weights is no passing glitch.
     max_nonfinite_steps: int = 5
     seed: int = 1337
-    dtype: str = "bf16"  # autocast dtype for the forward pass; master weights stay fp32
+    # Where and in what precision (train/device.py decides "auto" and logs why): device "auto" is CUDA
+    # when present; dtype is the forward's autocast dtype, "auto" = bf16 on CUDA and on CPUs with AMX,
+    # fp32 elsewhere (a bf16 matmul without AMX runs at about half the fp32 speed). Master weights,
+    # optimizer state and the router stay fp32 either way.
+    device: str = "auto"
+    dtype: str = "auto"
     deterministic: bool = True
     eval_every: int = 100
     eval_batches: int = 16
@@ -365,6 +371,7 @@ class TrainConfig:
         _choice("train.optimizer", self.optimizer, OPTIMIZERS)
         _choice("train.schedule", self.schedule, SCHEDULES)
         _choice("train.dtype", self.dtype, DTYPES)
+        _choice("train.device", self.device, DEVICES)
         if not self.lr > 0:
             _fail("train.lr", self.lr, "must be > 0")
         if not 0 <= self.min_lr_ratio <= 1:

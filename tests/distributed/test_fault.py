@@ -24,7 +24,7 @@ ARGS = [
     "--set", "train.eval_every=6", "--set", "train.eval_batches=1", "--set", "train.ckpt_every=2",
     "--set", "train.threads=1", "--set", "data.max_bytes=200000", "--set", "log.log_every=1",
     "--set", "log.progress=false", "--set", "log.tensorboard=false", "--set", "log.plots=false",
-    "--set", "parallel.ep_size=2",
+    "--set", "parallel.ep_size=2", "--set", "train.device=cpu",  # gloo, even on a machine with GPUs
 ]
 
 

@@ -27,6 +27,10 @@ Parameters are in the bench dtype (the router stays fp32, as the model keeps it)
 no_grad; fwd+bwd is forward, loss = y.float().square().mean(), backward with grads on x and every
 parameter (grads reset to None before each call, so no accumulation cost is timed).
 
+Device: `--device cpu` (the default) or `cuda`. Routing ids and inputs are drawn on the CPU with a
+seeded generator and moved, so both devices time the same pairs; CUDA timings synchronise the device
+around each call (bench/timing.py).
+
 Threads: `--threads 1` is the stable setting on a shared machine. The CPU grouped_mm runs one small
 matmul per expert, each its own parallel region; when other processes deschedule one of torch's
 threads, every region waits for it, so with 2 threads on a busy 2-core machine the grouped variants
@@ -107,17 +111,20 @@ def _fwd(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Ca
     return run
 
 
-def build_variants(shape: str, routing: str, dtype: torch.dtype, seed: int = 0
+def build_variants(shape: str, routing: str, dtype: torch.dtype, seed: int = 0,
+                   device: torch.device | str = "cpu"
                    ) -> tuple[dict[str, Variant], dict]:
     """Every variant as (fwd, fwd_bwd) closures, plus metadata about the routing."""
     T, D, E, K, Fw = SHAPES[shape]
     gen = torch.Generator().manual_seed(seed)
-    ids_TK = balanced_ids(T, E, K, gen) if routing == "balanced" else skewed_ids(T, E, K, gen)
-    x_TD = torch.randn(T, D, generator=gen).to(dtype).requires_grad_(True)
+    host_ids_TK = balanced_ids(T, E, K, gen) if routing == "balanced" else skewed_ids(T, E, K, gen)
+    x_TD = torch.randn(T, D, generator=gen).to(device=device, dtype=dtype).requires_grad_(True)
+    ids_TK = host_ids_TK.to(device)  # the setup statistics below read host_ids_TK
 
     def moe(**kw) -> MoELayer:
-        torch.manual_seed(seed)  # same weights in every MoE variant
-        layer = MoELayer(D, MoEConfig(num_experts=E, top_k=K, d_expert=Fw, **kw)).to(dtype)
+        torch.manual_seed(seed)  # same weights in every MoE variant (drawn on the CPU, then moved)
+        layer = MoELayer(D, MoEConfig(num_experts=E, top_k=K, d_expert=Fw, **kw))
+        layer.to(device=device, dtype=dtype)
         layer.router.float()
         return layer
 
@@ -132,7 +139,7 @@ def build_variants(shape: str, routing: str, dtype: torch.dtype, seed: int = 0
     if routing == "skewed":
         # The same layer under balanced routing, timed in the same turns: skewed / balanced time of
         # the dropless path is then a ratio within one run, not across two runs on a noisy machine.
-        bal_TK = balanced_ids(T, E, K, torch.Generator().manual_seed(seed))
+        bal_TK = balanced_ids(T, E, K, torch.Generator().manual_seed(seed)).to(device)
         add("dropless@balanced", lambda x: dropless(x, replay_ids=bal_TK).y, x_TD, _params(dropless))
 
     # The ceiling: P rows (a leaf of their own, so no gather is timed) through expert 0's weights;
@@ -144,14 +151,14 @@ def build_variants(shape: str, routing: str, dtype: torch.dtype, seed: int = 0
     add("dense_same_shape", lambda x: (weighted_swiglu(x @ w1_DF) @ w2_FD).view(T, K, D).sum(1),
         x_PD, [w1_DF, w2_FD])
 
-    wide = MLP(D, K * Fw).to(dtype)
+    wide = MLP(D, K * Fw).to(device=device, dtype=dtype)
     add("dense_wide", wide, x_TD, _params(wide))
 
     loop = moe(backend="loop")
     add("loop_reference", lambda x: loop(x, replay_ids=ids_TK).y, x_TD, _params(loop))
 
     # Smallest factor whose capacity C = ceil(factor * P / E) equals the largest load: drops nothing.
-    max_load = int(torch.bincount(ids_TK.reshape(-1), minlength=E).max())
+    max_load = int(torch.bincount(host_ids_TK.reshape(-1), minlength=E).max())
     factor = max_load * E / (T * K)
     while P.capacity(T, K, E, factor) < max_load:
         factor *= 1 + 1e-9
@@ -159,11 +166,12 @@ def build_variants(shape: str, routing: str, dtype: torch.dtype, seed: int = 0
     add("padded_capacity", lambda x: padded(x, replay_ids=ids_TK).y, x_TD, _params(padded))
 
     meta = {"shape": shape, "T": T, "d": D, "E": E, "k": K, "f": Fw, "routing": routing,
-            "dtype": str(dtype).removeprefix("torch."), "max_vio": max_vio(ids_TK, E),
+            "dtype": str(dtype).removeprefix("torch."), "device": str(device),
+            "max_vio": max_vio(host_ids_TK, E),
             "capacity_factor": factor,
             "zipf_exponent": ZIPF_EXPONENT if routing == "skewed" else None}
     if hf_baseline.available():
-        block = hf_baseline.build_block(dropless, ids_TK, dtype)
+        block = hf_baseline.build_block(dropless, ids_TK, dtype).to(device)
         if not hf_baseline.uses_grouped_mm(block, x_TD.detach()):
             raise RuntimeError("the transformers block did not run grouped_mm; refusing to time it")
         with torch.no_grad():  # same weights and routing: the outputs must agree to bf16 noise
@@ -175,8 +183,8 @@ def build_variants(shape: str, routing: str, dtype: torch.dtype, seed: int = 0
 
 
 def run(shape: str, routing: str, dtype: torch.dtype, repeats: int, warmup: int,
-        skip: tuple[str, ...] = ()) -> tuple[list[dict], dict]:
-    variants, meta = build_variants(shape, routing, dtype)
+        skip: tuple[str, ...] = (), device: torch.device | str = "cpu") -> tuple[list[dict], dict]:
+    variants, meta = build_variants(shape, routing, dtype, device=device)
     variants = {name: fns for name, fns in variants.items() if name not in skip}
     fns = {}
     for name, (fwd, fwd_bwd) in variants.items():
@@ -187,7 +195,7 @@ def run(shape: str, routing: str, dtype: torch.dtype, repeats: int, warmup: int,
         print(f"\r  {shape}/{routing}: repeat {rep + 1}/{repeats}", end="", file=sys.stderr, flush=True)
 
     print(f"  {shape}/{routing}: warm-up ({warmup} rounds of {len(fns)} timings)", file=sys.stderr, flush=True)
-    ms = interleaved(fns, repeats, warmup, progress=progress)
+    ms = interleaved(fns, repeats, warmup, device=device, progress=progress)
     print(file=sys.stderr)
     dense = ms["dense_same_shape/fwd_bwd"]
     if "dropless@balanced" in variants:
@@ -207,17 +215,23 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--skip", default="", help="comma-separated variants not to time (e.g. loop_reference, "
                     "the slowest by far); dense_same_shape is always timed")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--json", help="write the rows to this file")
     args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("dropless bench layer: error: --device cuda: CUDA is not available to this torch", file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     skip = tuple(v for v in args.skip.split(",") if v and v != "dense_same_shape")
-    rows, meta = run(args.shape, args.routing, DTYPES[args.dtype], args.repeats, args.warmup, skip)
+    device = torch.device(args.device)
+    rows, meta = run(args.shape, args.routing, DTYPES[args.dtype], args.repeats, args.warmup, skip, device)
     T, D, E, K, Fw = SHAPES[args.shape]
+    where = (f"device={torch.cuda.get_device_name(device)}" if device.type == "cuda"
+             else f"threads={torch.get_num_threads()}")
     print(f"layer bench: {args.shape} (T={T} d={D} E={E} k={K} f={Fw}), routing={args.routing} "
-          f"(MaxVio {meta['max_vio']:.3f}), dtype={args.dtype}, threads={torch.get_num_threads()}, "
-          f"median of {args.repeats}")
+          f"(MaxVio {meta['max_vio']:.3f}), dtype={args.dtype}, {where}, median of {args.repeats}")
     print(format_table(rows, COLUMNS))
     if "skew_slowdown" in meta:
         print(f"dropless fwd+bwd, skewed / balanced routing (same run): {meta['skew_slowdown']:.3f}")

@@ -2,6 +2,8 @@
 
 Variants are timed in turns (rep 1 of every variant, then rep 2, ...) so that noise from a shared,
 busy machine falls on all of them alike; the reported figure is the median over repeats.
+On CUDA, kernels run asynchronously: each timed call is bracketed by a device synchronisation, so
+the wall time covers the work queued by the call and nothing queued before it.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import torch
 
 
 def sync(device: torch.device | str) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def time_once(fn: Callable[[], object], device: torch.device | str = "cpu") -> float:

@@ -54,16 +54,17 @@ from .ep import EPDispatcher
 from .parallelize_ep import shard_moe_layer
 
 
-def init_distributed() -> bool:
+def init_distributed(device: torch.device) -> bool:
     """Initialise the default process group from torchrun's environment (RANK, WORLD_SIZE,
-    MASTER_ADDR, MASTER_PORT); gloo on CPU, NCCL when CUDA is available. Returns False (and does
+    MASTER_ADDR, MASTER_PORT) for the trainer's device (train/device.py decides it: cuda:LOCAL_RANK
+    under torchrun): NCCL on CUDA, gloo on the CPU, even where CUDA exists. Returns False (and does
     nothing) outside torchrun."""
     if dist.is_initialized():
         return True
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return False
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
         dist.init_process_group("nccl")
     else:
         dist.init_process_group("gloo")
@@ -95,12 +96,13 @@ class Meshes:
         return self.dp.get_group()
 
 
-def build_meshes(ep_size: int) -> Meshes:
-    """The (edp, ep) mesh over the default group; ep_size must divide the world size."""
+def build_meshes(ep_size: int, device_type: str) -> Meshes:
+    """The (edp, ep) mesh over the default group, on the trainer's device type ("cuda" or "cpu");
+    ep_size must divide the world size."""
     world = dist.get_world_size()
     if world % ep_size:
         raise ValueError(f"parallel.ep_size={ep_size} does not divide the world size {world}")
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = device_type
     mesh = init_device_mesh(dev, (world // ep_size, ep_size), mesh_dim_names=("edp", "ep"))
     dp = init_device_mesh(dev, (world,), mesh_dim_names=("dp",))
     expert_ckpt = DeviceMesh(dev, mesh.mesh.t().contiguous(), mesh_dim_names=("ep", "edp"))

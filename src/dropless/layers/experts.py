@@ -86,7 +86,7 @@ class GroupedExperts(nn.Module):
     def forward(self, batch: ExpertBatch) -> torch.Tensor:
         x_RD, w1, w2 = batch.x_RD, self.w_gate_up_EDF, self.w_down_EFD
         dev = x_RD.device.type
-        if torch.is_autocast_enabled(dev):
+        if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
             dtype = torch.get_autocast_dtype(dev)
             x_RD, w1, w2 = x_RD.to(dtype), w1.to(dtype), w2.to(dtype)
         elif x_RD.dtype != w1.dtype:

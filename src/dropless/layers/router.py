@@ -22,6 +22,7 @@ routing replay, so the router still trains and the compute matches the learned-r
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -64,7 +65,9 @@ class Router(nn.Module):
         nn.init.normal_(self.weight, std=self.weight.shape[1] ** -0.5)
 
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(device_type=x_TD.device.type, enabled=False):
+        dev = x_TD.device.type  # "meta" has no autocast to turn off
+        off = torch.autocast(dev, enabled=False) if torch.amp.is_autocast_available(dev) else nullcontext()
+        with off:
             return torch.nn.functional.linear(x_TD.float(), self.weight.float())
 
     def selection_base(self, decision: RoutingDecision) -> torch.Tensor:

@@ -75,6 +75,9 @@ class _WeightedSwiGLU(torch.autograd.Function):
     def backward(ctx, grad_RF: torch.Tensor):
         h_R2F, s, w_R = ctx.saved_tensors
         gate, up = h_R2F.chunk(2, dim=-1)
+        if torch.compiler.is_compiling():
+            return _swiglu_backward_functional(grad_RF, gate, up, s, w_R, ctx.needs_input_grad[1],
+                                               ctx.w_dtype)
         F_ = gate.shape[-1]
         grad_h = grad_RF.new_empty(gate.shape[0], 2 * F_)
         g_up = grad_RF * up
@@ -92,6 +95,21 @@ class _WeightedSwiGLU(torch.autograd.Function):
         # written straight into the gate half: no [R, F] temporary and no copy
         torch.ops.aten.silu_backward.grad_input(g_up, gate, grad_input=grad_h[:, :F_])
         return grad_h, grad_w
+
+
+def _swiglu_backward_functional(grad_RF: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, s: torch.Tensor,
+                                w_R: torch.Tensor | None, want_grad_w: bool, w_dtype: torch.dtype | None
+                                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`_WeightedSwiGLU.backward` without its `out=` writes into the halves of one buffer, which
+    torch.compile cannot trace (a graph break): the same element-wise ops in the same order, so the
+    same values; the halves are concatenated, a copy the compiler can fuse away."""
+    g_up = grad_RF * up
+    if w_R is None:
+        return torch.cat([torch.ops.aten.silu_backward(g_up, gate), grad_RF * s], dim=-1), None
+    w_R1 = w_R.to(grad_RF.dtype).unsqueeze(-1)
+    grad_w = torch.linalg.vecdot(g_up, s).to(w_dtype) if want_grad_w else None
+    g_up = g_up * w_R1
+    return torch.cat([torch.ops.aten.silu_backward(g_up, gate), (grad_RF * s) * w_R1], dim=-1), grad_w
 
 
 def weighted_swiglu(h_R2F: torch.Tensor, w_R: torch.Tensor | None = None) -> torch.Tensor:

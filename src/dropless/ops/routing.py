@@ -213,11 +213,14 @@ def forced_balance_ids(num_tokens: int, num_experts: int, top_k: int, device: to
     Pair (t, j) of the shuffled token order gets expert (perm[t] * K + j + r) mod E: the T*K
     consecutive numbers hit every expert floor or ceil of T*K/E times, and a token's K consecutive
     values are distinct because K <= E. The random permutation and offset make it uniform.
+
+    Both draws happen on `device` (from its default generator, or `generator`, which must live
+    there): no host-made tensor to copy over and no offset read back on the host inside a step.
     """
-    perm_T = torch.randperm(num_tokens, generator=generator).to(device)
-    r = int(torch.randint(num_experts, (1,), generator=generator))
+    perm_T = torch.randperm(num_tokens, generator=generator, device=device)
+    r_1 = torch.randint(num_experts, (1,), generator=generator, device=device)
     slots_K = torch.arange(top_k, device=device)
-    return (perm_T[:, None] * top_k + slots_K + r) % num_experts
+    return (perm_T[:, None] * top_k + slots_K + r_1) % num_experts
 
 
 def switch_aux_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, top_k: int) -> torch.Tensor:

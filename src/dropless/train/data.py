@@ -19,6 +19,9 @@ Design notes
   data-parallel rank its own draws.
 - `eval_batches` uses fixed non-overlapping windows spread evenly over the split, so a
   `max_batches` budget still sees the whole validation set rather than its first files.
+- The splits stay in host memory (a corpus can be larger than a GPU); a batch is drawn there and
+  then moved to `device` (through pinned memory, asynchronously, on CUDA: train/device.py). The draw
+  uses a CPU generator whatever the device, so every device sees the same batches.
 - If the by-document split leaves a side empty (one input file, or a handful of documents), the
   split falls back to the token stream: the last `val_fraction` of all tokens is validation.
 """
@@ -37,6 +40,7 @@ from dropless.train.corpus import (
     split_documents,
     stdlib_documents,
 )
+from dropless.train.device import to_device
 from dropless.train.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = [
@@ -125,12 +129,14 @@ def _check_window(tokens: torch.Tensor, batch_size: int, seq_len: int) -> None:
 
 
 def _windows(
-    tokens_N: torch.Tensor, starts_B: torch.Tensor, seq_len: int
+    tokens_N: torch.Tensor, starts_B: torch.Tensor, seq_len: int, device: torch.device | str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     dev = tokens_N.device
     # S+1 consecutive tokens give S (input, target) pairs.
     idx_BS1 = starts_B.to(dev)[:, None] + torch.arange(seq_len + 1, device=dev)
     w_BS1 = tokens_N[idx_BS1].long()
+    if device is not None:  # one copy for inputs and targets, which are views of it
+        w_BS1 = to_device(w_BS1, torch.device(device))
     return w_BS1[:, :-1], w_BS1[:, 1:]
 
 
@@ -149,17 +155,20 @@ def get_batch(
     seed: int,
     *,
     rank: int = 0,
+    device: torch.device | str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x_BS, y_BS) int64 on CPU: B random windows, y is x shifted left by one token."""
+    """(x_BS, y_BS) int64 on `device` (None: where `tokens` is): B random windows, y is x shifted
+    left by one token."""
     _check_window(tokens, batch_size, seq_len)
     g = torch.Generator().manual_seed(batch_seed(seed, step, micro_step, rank))
     # randint's high is exclusive: start <= N - S - 1, so start + S (the last target) is in range.
     starts_B = torch.randint(0, tokens.numel() - seq_len, (batch_size,), generator=g)
-    return _windows(tokens, starts_B, seq_len)
+    return _windows(tokens, starts_B, seq_len, device)
 
 
 def eval_batches(
-    tokens: torch.Tensor, batch_size: int, seq_len: int, max_batches: int | None = None
+    tokens: torch.Tensor, batch_size: int, seq_len: int, max_batches: int | None = None,
+    *, device: torch.device | str | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Deterministic (x_BS, y_BS) over fixed non-overlapping windows; the last batch may be short.
 
@@ -174,4 +183,4 @@ def eval_batches(
     window_idx = torch.arange(want) * n_windows // want
     starts = window_idx * seq_len
     for i in range(0, want, batch_size):
-        yield _windows(tokens, starts[i : i + batch_size], seq_len)
+        yield _windows(tokens, starts[i : i + batch_size], seq_len, device)

@@ -1,9 +1,11 @@
 """`dropless generate`: sample text from a trained run's latest checkpoint.
 
     dropless generate --run-dir DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]
+                      [--device auto|cpu|cuda]
 
 Sampling recomputes the (cropped) context each token: simple and exact for the small models trained
-here; a KV cache is what long generations need.
+here; a KV cache is what long generations need. The model runs in fp32 on `--device` ("auto": CUDA
+when present), whatever device trained it; sampling draws from a generator on that device.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ import torch
 from ..config import RunConfig, from_dict
 from ..model import MoEModel
 from . import checkpoint as ckpt
+from .device import resolve_device
 from .tokenizer import load_tokenizer
 
 
-def load_model(run_dir: str | Path) -> tuple[MoEModel, RunConfig]:
-    """The model of a run's latest checkpoint, on one device with all E experts, whatever world size
+def load_model(run_dir: str | Path, device: torch.device | str = "cpu") -> tuple[MoEModel, RunConfig]:
+    """The model of a run's latest checkpoint, on `device` with all E experts, whatever world size
     wrote it (the DCP format), or from an older one-process `state.pt`."""
     path = ckpt.latest_checkpoint(run_dir)
     if path is None:
@@ -37,7 +40,7 @@ def load_model(run_dir: str | Path) -> tuple[MoEModel, RunConfig]:
         cfg = from_dict(RunConfig, state["config"])
         model = MoEModel(cfg.model)
         model.load_state_dict(state["model"])
-    model.eval()
+    model.to(device).eval()
     return model, cfg
 
 
@@ -48,7 +51,7 @@ def sample(model: MoEModel, prompt_ids: list[int], max_new_tokens: int, temperat
         raise ValueError(f"temperature={temperature}: must be >= 0")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k={top_k}: must be >= 1")
-    ids = torch.tensor([prompt_ids or [0]], dtype=torch.long)
+    ids = torch.tensor([prompt_ids or [0]], dtype=torch.long, device=model.embed.weight.device)
     for _ in range(max_new_tokens):
         ctx = ids[:, -model.cfg.max_seq_len:]
         logits = model(ctx).logits[0, -1].float()
@@ -72,12 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     args = p.parse_args(argv)
     try:
-        model, cfg = load_model(args.run_dir)
+        device = resolve_device(args.device)[0]
+        model, cfg = load_model(args.run_dir, device)
         tok = load_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
         out = sample(model, tok.encode(args.prompt), args.max_new_tokens, args.temperature, args.top_k,
-                     torch.Generator().manual_seed(args.seed))
+                     torch.Generator(device).manual_seed(args.seed))
     except (ValueError, FileNotFoundError) as err:
         print(f"dropless generate: error: {err}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""The training loop: one process, gradient accumulation, bf16 autocast, evaluation, checkpoints.
+"""The training loop: one process, gradient accumulation, autocast, evaluation, checkpoints.
 
 Per optimizer step: `grad_accum` micro-batches (each `batch_size` x `seq_len` tokens, a pure function
 of (seed, step, micro-step), so a resumed run sees the same batches), forward under autocast with fp32
@@ -20,10 +20,16 @@ are all-reduced over the ranks; the logged losses are means over ranks; only ran
 progress. Checkpoints are torch.distributed.checkpoint folders at every world size, one process
 included (dist_checkpoint.py): written at any world size, resumable at any other. EP buffered mode's
 overflow policy (skip, check, retry) is in overflow.py.
+
+Device and dtype (`train.device`, `train.dtype`; decided once in device.py and logged with the
+reason): the model is built on the CPU (the same seeded weights on every device and rank), then moved
+to the device with its buffers; the optimizer state, batches, statistics and every tensor of a step
+are made there. The host reads the device only on log steps, at evaluation and at checks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -40,6 +46,7 @@ from ..distributed import parallelize as par
 from ..model import MoEModel
 from . import checkpoint as ckpt
 from . import dist_checkpoint
+from . import device as placement
 from .data import eval_batches, get_batch, load_splits
 from .health import TrainHealth, global_aux_terms
 from .nonfinite import NonFiniteGuard
@@ -61,13 +68,20 @@ class StepLosses:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, run_dir: str | Path, resume: bool = False) -> None:
+    def __init__(self, cfg: RunConfig, run_dir: str | Path, resume: bool = False,
+                 device: torch.device | None = None) -> None:
+        """`device` overrides `train.device` (tests run a step on "meta")."""
         self.cfg = cfg
-        self.run_dir = Path(run_dir)
         t = cfg.train
+        backend = dist.get_backend() if dist.is_initialized() else None
+        self.placement = placement.resolve(device if device is not None else t.device, t.dtype, backend)
+        self.device = self.placement.device
+        placement.activate(self.device)
+        self.run_dir = Path(run_dir)
         if t.threads:
             torch.set_num_threads(t.threads)
         if t.deterministic:
+            placement.deterministic_cublas(self.device)
             torch.use_deterministic_algorithms(True)
             # Deterministic mode also fills every new tensor from torch.empty with NaN, a net for code
             # that reads memory it never wrote. Ours reads no such memory (GEMM tails and padding are
@@ -93,13 +107,14 @@ class Trainer:
         if not self.distributed and p.ep_size > 1:
             raise ValueError(f"parallel.ep_size={p.ep_size}: expert parallelism needs several processes "
                              "(dropless train --nproc N, or torchrun -m dropless.train)")
-        self.model = MoEModel(cfg.model)  # the same seed on every rank: identical initial weights
+        # Built on the CPU with the same seed on every rank and device: identical initial weights.
+        self.model = MoEModel(cfg.model).to(self.device)
         self.param_counts = self.model.num_params()  # before sharding: global counts
         self.meshes: par.Meshes | None = None
         self.expert_names: list[str] = []
         reduce = None
         if self.distributed:
-            self.meshes = par.build_meshes(p.ep_size)
+            self.meshes = par.build_meshes(p.ep_size, self.device.type)
             self.expert_names = par.parallelize_model(self.model, self.meshes, p)
             reduce = par.dp_all_reduce(self.meshes.dp_group)
         self.optimizer = build_optimizer(self.model, t)
@@ -111,7 +126,8 @@ class Trainer:
                                           p.overflow_check_every)
         self.nonfinite = NonFiniteGuard(t.max_nonfinite_steps, reduce, device=self.model.embed.weight.device)
         self.start_step = 0
-        probe = next(iter(eval_batches(self.val_tokens, min(4, t.batch_size), t.seq_len, 1)))[0]
+        probe = next(iter(eval_batches(self.val_tokens, min(4, t.batch_size), t.seq_len, 1,
+                                       device=self.device)))[0]
         if resume and ckpt.latest_checkpoint(self.run_dir) is None:
             raise FileNotFoundError(f"--resume: no complete checkpoint under {self.run_dir / 'checkpoints'}")
         # The first write, after everything a bad config or data path can fail on: a failed start
@@ -133,7 +149,6 @@ class Trainer:
                                 rank=self.rank, world=self.world_size)
         if self.is_main:
             save_config(cfg, self.run_dir / "config.toml")
-        self.autocast_dtype = torch.bfloat16 if t.dtype == "bf16" else None
 
     # ---------------------------------------------------------------------------------------------
 
@@ -171,8 +186,8 @@ class Trainer:
         """This rank's micro-batch `micro` is the one-process micro-batch micro * W + rank."""
         return micro * self.world_size + self.rank
 
-    def autocast(self) -> torch.autocast:
-        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast_dtype is not None)
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return self.placement.autocast()
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -184,17 +199,19 @@ class Trainer:
         different sizes; exact mode never drops a pair)."""
         t = self.cfg.train
         self.model.eval()
-        batches = list(eval_batches(self.val_tokens, t.batch_size, t.seq_len, t.eval_batches))
+        batches = list(eval_batches(self.val_tokens, t.batch_size, t.seq_len, t.eval_batches,
+                                    device=self.device))
         mine = batches[self.rank::self.world_size]
         rounds = -(-len(batches) // self.world_size)
-        sums = torch.zeros(2, dtype=torch.float64)  # sum of ce * tokens, tokens
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # sum of ce * tokens, tokens
         with par.exact_dispatch(self.model):
             for i in range(rounds):
                 x, y = mine[i] if i < len(mine) else batches[0]
                 with self.autocast():
                     out = self.model(x, y)
-                if i < len(mine):
-                    sums += torch.tensor([float(out.ce_loss) * x.numel(), x.numel()], dtype=torch.float64)
+                if i < len(mine):  # on the device: one host read after the loop, not one per batch
+                    sums[0] += out.ce_loss.detach().double() * x.numel()
+                    sums[1] += x.numel()
         if self.distributed:
             self.health.reduce(sums, "sum")
         self.model.train()
@@ -210,11 +227,11 @@ class Trainer:
         if self.cfg.model.moe.balance.global_aux_loss_coeff == 0 or t.grad_accum == 1:
             return None
         L, E = self.cfg.model.n_moe_layers, self.cfg.model.moe.num_experts
-        counts = torch.zeros(L, E)
+        counts = torch.zeros(L, E, device=self.device)
         with torch.no_grad():
             for micro in range(t.grad_accum):
                 x, _ = get_batch(self.train_tokens, step, self.micro_index(micro), t.batch_size, t.seq_len,
-                                 t.seed)
+                                 t.seed, device=self.device)
                 with self.autocast():
                     out = self.model(x)
                 counts += torch.stack([s.tokens_per_expert_E.float() for s in out.stats])
@@ -265,13 +282,12 @@ class Trainer:
         bal, K = self.cfg.model.moe.balance, self.cfg.model.moe.top_k
         pre_counts = self._global_counts(step)
         self.health.begin_step(log_step)
-        zero = lambda: torch.zeros(())  # noqa: E731
+        zero = lambda dtype=torch.float32: torch.zeros((), dtype=dtype, device=self.device)  # noqa: E731
         sums = StepLosses(zero(), zero(), zero())
-        dropped = torch.zeros((), dtype=torch.int64)
-        demand = torch.zeros((), dtype=torch.int64)
+        dropped, demand = zero(torch.int64), zero(torch.int64)
         for micro in range(t.grad_accum):
             x, y = get_batch(self.train_tokens, step, self.micro_index(micro), t.batch_size, t.seq_len,
-                             t.seed)
+                             t.seed, device=self.device)
             with self.autocast():
                 out = self.model(x, y)
             loss, moe_loss = out.loss, out.moe_loss
@@ -318,6 +334,9 @@ class Trainer:
         tokens_per_step = t.batch_size * t.seq_len * t.grad_accum * self.world_size
         params = self.param_counts
         say = bar.write if self.is_main else (lambda text: None)
+        if self.is_main:
+            print(self.placement.describe(), flush=True)
+            self.metrics.write({"step": self.start_step, **self.placement.as_dict()})
         say(f"model: {params['total'] / 1e6:.2f}M parameters, {params['active'] / 1e6:.2f}M active; "
                   f"train {self.train_tokens.numel() / 1e6:.1f}M tokens, val {self.val_tokens.numel() / 1e6:.2f}M")
         last_time, last_step = time.perf_counter(), self.start_step
@@ -380,6 +399,7 @@ class Trainer:
             "params_total": params["total"],
             "params_active": params["active"],
             "nonfinite_steps": sum(r.get("nonfinite_steps", 0) for r in train_rows),  # resumes included
+            **self.placement.as_dict(),
             "wall_s_this_process": wall_s,
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

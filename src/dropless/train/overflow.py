@@ -47,9 +47,11 @@ class OverflowGuard:
                              "init or cannot skip a step on the device (needs torch's fused AdamW)")
         self.optimizer, self.reduce = optimizer, reduce
         self.capacity, self.factor, self.check_every = capacity, factor, check_every
-        self.dropped = torch.zeros((), dtype=torch.int64)  # unhandled dropped pairs since the last check
-        self.skipped = torch.zeros((), dtype=torch.int64)  # steps skipped since the last check
-        self.demand = torch.zeros((), dtype=torch.int64)  # busiest link seen since the last check
+        zero = lambda: torch.zeros((), dtype=torch.int64,  # noqa: E731  (with the parameters)
+                                   device=optimizer.param_groups[0]["params"][0].device)
+        self.dropped = zero()  # unhandled dropped pairs since the last check
+        self.skipped = zero()  # steps skipped since the last check
+        self.demand = zero()  # busiest link seen since the last check
         self.retried = 0  # host count of reruns
         self._init_state()
 
@@ -66,8 +68,9 @@ class OverflowGuard:
     @staticmethod
     def count(stats: list[MoEStats]) -> tuple[torch.Tensor, torch.Tensor]:
         """(dropped pairs, busiest link demand) of one micro-batch's MoE layers; device scalars."""
-        dropped = torch.zeros((), dtype=torch.int64)
-        demand = torch.zeros((), dtype=torch.int64)
+        dev = stats[0].pairs_dropped.device if stats else None
+        dropped = torch.zeros((), dtype=torch.int64, device=dev)
+        demand = torch.zeros((), dtype=torch.int64, device=dev)
         for s in stats:
             dropped = dropped + s.pairs_dropped
             if s.link_demand is not None:

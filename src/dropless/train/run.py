@@ -103,7 +103,7 @@ def choose_run_dir(args: argparse.Namespace, preset: str) -> Path:
     return Path("runs") / f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def resolve_config(args: argparse.Namespace, path: Path, run_dir: Path) -> RunConfig:
+def resolve_config(args: argparse.Namespace, path: Path, run_dir: Path, quiet: bool = False) -> RunConfig:
     """A new run: the preset (or file) with the overrides. A resume: the run's own config.toml with the
     overrides on top, checked against the checkpoint's config (resume.py: the model's shape and
     routing cannot change); `--config` is then ignored, with a note when it differs."""
@@ -121,7 +121,7 @@ def resolve_config(args: argparse.Namespace, path: Path, run_dir: Path) -> RunCo
     if args.config is not None:
         note = resume.config_file_note(load_config(path), resume.run_config(run_dir, saved["config"], []),
                                        args.config)
-        if note:
+        if note and not quiet:
             print(note, file=sys.stderr, flush=True)
     resume.check_resume_config(saved["config"], cfg, int(saved["step"]))  # before any process starts
     return cfg
@@ -141,8 +141,9 @@ def main(argv: list[str] | None = None) -> int:
             resolve_config(args, path, run_dir)  # a bad config fails here, before N processes start
             return launch(args, argv, run_dir)
         from ..distributed.parallelize import init_distributed
+        from .device import resolve_device
 
-        distributed = init_distributed()
+        distributed = init_distributed(resolve_device(_device_setting(args, path))[0])
         if distributed:  # rank 0 decides (directory, config) and tells the others, errors included
             run_dir, cfg = _agree(lambda: _prepare(args, path))
         else:
@@ -175,9 +176,18 @@ def _finish(trainer: "Trainer") -> None:
         dist.destroy_process_group()
 
 
-def _prepare(args: argparse.Namespace, path: Path) -> tuple[Path, RunConfig]:
+def _device_setting(args: argparse.Namespace, path: Path) -> str:
+    """`train.device` as this process sees it before the process group exists (the backend, gloo or
+    NCCL, follows the device). A bad config is reported later, by rank 0 to every rank (`_agree`)."""
+    try:
+        return _prepare(args, path, quiet=True)[1].train.device
+    except (ValueError, FileNotFoundError):
+        return "auto"
+
+
+def _prepare(args: argparse.Namespace, path: Path, quiet: bool = False) -> tuple[Path, RunConfig]:
     run_dir = choose_run_dir(args, path.stem)
-    return run_dir, resolve_config(args, path, run_dir)
+    return run_dir, resolve_config(args, path, run_dir, quiet)
 
 
 def _agree(prepare: Callable[[], tuple[Path, RunConfig]]) -> tuple[Path, RunConfig]:

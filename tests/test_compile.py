@@ -1,0 +1,73 @@
+"""The MoE layer under `torch.compile(fullgraph=True)` on CPU: one graph, same results as eager.
+
+fullgraph=True turns any graph break into an error, and a graph break in this layer would be a host
+read of device data (`.item()`, `int()`, a Python branch on a tensor) or an op the compiler cannot
+trace; so this test is the CPU proof that the layer has neither, the meta-device test's sibling
+(tests/test_meta_device.py). backend="aot_eager" traces forward and backward through AOTAutograd
+(what inductor consumes) but runs eager kernels: seconds, not the minute inductor's C++ build takes
+here. Shapes are static (dynamic=False).
+
+torch's shape rule for grouped_mm (used while tracing) accepts bf16 only, so the layer runs with bf16
+weights, or with fp32 weights under bf16 autocast as the trainer runs it on AMX CPUs and GPUs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dropless.config import MoEConfig, RouterConfig
+from dropless.layers.moe import MoELayer
+from tolerances import COMPILED, assert_close
+
+# Why each case: token choice with every selection option (group-limited, expert bias) plus alignment
+# padding and a shared expert; expert choice with padding (a masked plan: variable experts per
+# token); forced balance (random draws on the device inside the graph).
+CASES = {
+    "token_choice_group_bias_align4_shared": dict(
+        align=4, n_shared_experts=1, d_shared=16,
+        router=RouterConfig(n_groups=4, topk_groups=2, use_expert_bias=True)),
+    "expert_choice_align4": dict(align=4, router=RouterConfig(strategy="expert_choice")),
+    "forced_balance": dict(router=RouterConfig(strategy="forced_balance")),
+}
+
+
+def _outputs_and_grads(layer: MoELayer, fn, x0: torch.Tensor, autocast: bool) -> dict[str, torch.Tensor]:
+    layer.zero_grad(set_to_none=True)
+    x = x0.clone().requires_grad_(True)
+    torch.manual_seed(1)  # forced balance draws from the default generator: the same draws both ways
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y, aux, z, counts = fn(x)
+    (y.float().square().mean() + aux + z).backward()
+    out = {"y": y.detach().float(), "aux": aux.detach(), "z": z.detach(), "counts": counts, "grad x": x.grad}
+    out.update({f"grad {n}": p.grad for n, p in layer.named_parameters()})
+    return out
+
+
+def _check_compiled_matches_eager(layer: MoELayer, x0: torch.Tensor, autocast: bool) -> None:
+    def forward(x: torch.Tensor):
+        out = layer(x)
+        return out.y, out.aux_loss, out.z_loss, out.stats.tokens_per_expert_E
+
+    eager = _outputs_and_grads(layer, forward, x0, autocast)
+    compiled = _outputs_and_grads(layer, torch.compile(forward, backend="aot_eager", fullgraph=True,
+                                                       dynamic=False), x0, autocast)
+    assert eager.keys() == compiled.keys()
+    assert torch.equal(compiled["counts"], eager["counts"])  # routing is an index op: exact
+    for name in eager:
+        if name != "counts":
+            assert_close(compiled[name], eager[name], COMPILED, msg=name)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_compiled_layer_matches_eager_bf16(case: str) -> None:
+    torch.manual_seed(0)
+    layer = MoELayer(32, MoEConfig(num_experts=8, top_k=2, d_expert=16, **CASES[case])).to(torch.bfloat16)
+    layer.router.float()  # as the model keeps it
+    _check_compiled_matches_eager(layer, torch.randn(2, 12, 32).to(torch.bfloat16), autocast=False)
+
+
+def test_compiled_layer_matches_eager_under_autocast() -> None:
+    torch.manual_seed(0)
+    layer = MoELayer(32, MoEConfig(num_experts=8, top_k=2, d_expert=16))
+    _check_compiled_matches_eager(layer, torch.randn(2, 12, 32), autocast=True)
