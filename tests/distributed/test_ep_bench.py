@@ -14,6 +14,7 @@ from dropless.distributed.ep import link_capacity
 
 T, D, E, K, W = 16, 16, 8, 4, 2  # tokens per rank, width, experts, top-k, ranks
 BF16_BYTES, META_BYTES = 2, 8  # a bf16 row element; per pair with de-dup: fp32 weight + int32 row index
+WEIGHT_BYTES = 4  # per pair without de-dup: its fp32 routing weight travels beside the row
 
 
 def expected_bytes() -> dict[str, tuple[int, int]]:
@@ -30,11 +31,12 @@ def expected_bytes() -> dict[str, tuple[int, int]]:
     C = link_capacity(T, K, L, W, 2.0)  # the bench's default --factor
     Cr = min(C, T)
     links = W * W
+    plain, plain_buffered = pairs * (D * BF16_BYTES + WEIGHT_BYTES), links * C * (D * BF16_BYTES + WEIGHT_BYTES)
     return {
-        "exact": (pairs * D * BF16_BYTES, pairs * D * BF16_BYTES),
-        "exact+dedup": (rows * D * BF16_BYTES + pairs * META_BYTES, pairs * D * BF16_BYTES),
-        "buffered": (links * C * D * BF16_BYTES, links * C * D * BF16_BYTES),
-        "buffered+dedup": (links * (Cr * D * BF16_BYTES + C * META_BYTES), links * C * D * BF16_BYTES),
+        "exact": (plain, plain),
+        "exact+dedup": (rows * D * BF16_BYTES + pairs * META_BYTES, plain),
+        "buffered": (plain_buffered, plain_buffered),
+        "buffered+dedup": (links * (Cr * D * BF16_BYTES + C * META_BYTES), plain_buffered),
     }
 
 

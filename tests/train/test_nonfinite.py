@@ -189,3 +189,31 @@ def test_a_streak_stops_the_run_with_a_good_checkpoint(tmp_path: Path) -> None:
     assert all(torch.equal(v, last[k]) for k, v in trainer.model.state_dict().items())
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["nonfinite_steps"] for r in rows if "loss" in r] == [0, 1]  # logged at steps 0 and 3
+
+
+@pytest.mark.parametrize("skip_first", [True, False])
+def test_optimizers_without_found_inf_skip_by_undoing_the_step(skip_first: bool) -> None:
+    # foreach AdamW (what `meta` and devices without fused kernels get) ignores found_inf: the step is
+    # undone on the device. A skipped step leaves parameter and state bit-identical (a skipped first
+    # step leaves the state of an optimizer never stepped), and the next step equals an optimizer that
+    # never saw the skipped one.
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(3, 4))
+    q = torch.nn.Parameter(p.detach().clone())
+    opt, ref = torch.optim.AdamW([p], foreach=True), torch.optim.AdamW([q], foreach=True)
+    g = torch.randn(3, 4)
+    if not skip_first:
+        p.grad, q.grad = g.clone(), g.clone()
+        step_unless(opt, torch.tensor(False))
+        ref.step()
+    before = p.detach().clone()
+    state = {k: v.clone() for k, v in opt.state.get(p, {}).items()}
+    p.grad = torch.full((3, 4), float("nan"))
+    step_unless(opt, torch.tensor(True))
+    assert torch.equal(p, before)
+    for k, v in opt.state[p].items():
+        assert torch.equal(v, state[k]) if state else not v.any(), k
+    p.grad, q.grad = g.clone(), g.clone()
+    step_unless(opt, torch.tensor(False))
+    ref.step()
+    assert torch.equal(p, q)

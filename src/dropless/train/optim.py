@@ -10,7 +10,9 @@ and leave parameters, moments and the step count bit-identical, with no host rea
 state. That is why "adamw" is the fused implementation (torch 2.13 has fused AdamW kernels for CPU and
 CUDA; its foreach and single-tensor paths refuse `found_inf`); it differs from the foreach one by an
 ulp or so per step (another order of the same operations). On a device without fused kernels (e.g.
-`meta`) it falls back to foreach, which cannot skip: `step_unless` then refuses a skip flag.
+`meta`) it falls back to foreach, which cannot skip: `step_unless` then copies the parameters and
+the state, steps, and puts the copies back where `skip` (`_step_then_undo`: still no host read, at the
+cost of one copy of parameters + state per step).
 
 No decay on one-dimensional parameters (norm gains, biases): shrinking them toward zero fights the
 normalisation and buys nothing. Buffers (the router's expert bias, rotary tables) are not parameters
@@ -66,10 +68,37 @@ def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor | None) -> 
         optimizer.step()
         return
     if not can_skip(optimizer):
-        raise ValueError(f"{type(optimizer).__name__} (not fused) cannot skip a step on the device; "
-                         "use torch's fused AdamW or AdamWBF16")
+        _step_then_undo(optimizer, skip)
+        return
     optimizer.found_inf = skip.float()  # type: ignore[attr-defined]
     try:
         optimizer.step()
     finally:
         del optimizer.found_inf  # type: ignore[attr-defined]
+
+
+@torch.no_grad()
+def _step_then_undo(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
+    """The skip for optimizers that ignore `found_inf`: step, then `where(skip, before, after)` for
+    every parameter and state tensor. State the step created (a first step) is zeroed where skipped,
+    which for Adam-type optimizers is the state of one never stepped (zero moments, step 0)."""
+    tensors = [p for g in optimizer.param_groups for p in g["params"]]
+    before = {id(p): p.clone() for p in tensors}
+    for p in tensors:
+        for v in optimizer.state.get(p, {}).values():
+            if torch.is_tensor(v):
+                before[id(v)] = v.clone()
+    optimizer.step()
+    for p in tensors:
+        p.copy_(torch.where(skip, before[id(p)], p))
+        for v in optimizer.state.get(p, {}).values():
+            if not torch.is_tensor(v):
+                continue
+            # A state tensor on another device (foreach AdamW keeps its step counter on the CPU)
+            # needs the flag there: a copy, a host read on an accelerator. On `meta` (the device
+            # tests) there are no values to restore.
+            if v.device != skip.device and skip.is_meta:
+                continue
+            flag = skip if v.device == skip.device else skip.to(v.device)
+            old = before.get(id(v))
+            v.copy_(torch.where(flag, old if old is not None else torch.zeros_like(v), v))
