@@ -28,9 +28,13 @@ test: $(STAMP)
 # again under MKL's AVX-512 and AVX2 fp32 GEMM kernels: a row of an fp32 GEMM rounds differently
 # depending on the kernel path and the batch around it, so a test that holds on this CPU's default
 # path can fail on another machine's (AMX vs AVX-512 vs AVX2). CI runs it after `make test`.
-ISA_TESTS ?= tests/distributed tests/test_moe_layer.py tests/test_grouped_gemm.py tests/test_permute.py \
-	tests/test_strategies.py tests/test_activations.py tests/test_balance.py tests/ops/test_quant_gemm.py \
-	tests/train/test_training.py tests/train/test_checkpoint.py
+ISA_TESTS ?= tests/distributed/test_ep.py tests/distributed/test_ep_sums.py \
+	tests/distributed/test_parallel_train.py tests/distributed/test_skip_buffers.py \
+	tests/distributed/test_health_counts.py tests/test_moe_layer.py tests/test_grouped_gemm.py \
+	tests/test_permute.py tests/test_strategies.py tests/test_activations.py tests/test_balance.py \
+	tests/test_capacity_and_config.py tests/test_compile.py tests/test_bench_layer.py \
+	tests/ops/test_quant_gemm.py tests/train/test_training.py tests/train/test_resume.py \
+	tests/train/test_nonfinite.py tests/train/test_checkpoint.py tests/train/test_optim_lowp.py
 ISA_SETTINGS ?= AVX512 AVX2
 
 test-isa: $(STAMP)
