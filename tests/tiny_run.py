@@ -3,7 +3,13 @@ tests/ is on the import path of both, see conftest.py and distributed/dist_harne
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import pytest
+
 from dropless.config import RunConfig, load_config
+from dropless.train.loop import Trainer
 
 # 2 layers of width 32, 4 experts top-2, 20 steps of 4 x 32 tokens on 200 kB of the corpus: seconds.
 # On the CPU whatever the machine (tests/test_cuda.py asks for cuda explicitly).
@@ -21,3 +27,27 @@ TINY = [
 def tiny(*extra: str) -> RunConfig:
     """TINY with `extra` dotted overrides applied after it (a later setting of a field wins)."""
     return load_config(None, TINY + list(extra))
+
+
+def rows(run_dir: Path, key: str) -> list[dict]:
+    """The metrics.jsonl rows holding `key`, without the timing fields (they differ run to run)."""
+    out = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if key in r:
+            out.append({k: v for k, v in r.items() if k not in ("tokens_per_s", "step_ms")})
+    return out
+
+
+def crash_at(trainer: Trainer, crash_step: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run `trainer` until it dies at `crash_step` (before that step's update), like a killed job."""
+    real_step = trainer.train_step
+
+    def crashing(step: int, *args):
+        if step == crash_step:
+            raise KeyboardInterrupt("simulated crash")
+        return real_step(step, *args)
+
+    monkeypatch.setattr(trainer, "train_step", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit()

@@ -20,30 +20,7 @@ from dropless.train.loop import Trainer
 from dropless.train.resume import check_resume_config
 from dropless.train import run as run_module
 from dropless.train.run import main as train_main
-from tiny_run import tiny
-
-
-def rows(run_dir: Path, key: str) -> list[dict]:
-    out = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if key in r:
-            out.append({k: v for k, v in r.items() if k not in ("tokens_per_s", "step_ms")})
-    return out
-
-
-def crash_at(trainer: Trainer, crash_step: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run `trainer` until it dies at `crash_step` (before that step's update), like a killed job."""
-    real_step = trainer.train_step
-
-    def crashing(step: int, *args):
-        if step == crash_step:
-            raise KeyboardInterrupt("simulated crash")
-        return real_step(step, *args)
-
-    monkeypatch.setattr(trainer, "train_step", crashing)
-    with pytest.raises(KeyboardInterrupt):
-        trainer.fit()
+from tiny_run import crash_at, rows, tiny
 
 
 # -- the routing log's running sums are part of the checkpoint ------------------------------------

@@ -13,17 +13,8 @@ from dropless.train import checkpoint as ckpt
 from dropless.train.generate import load_model, sample
 from dropless.train.loop import Trainer
 from dropless.train.run import main as train_main
-from tiny_run import tiny
+from tiny_run import crash_at, rows, tiny
 
-
-
-def rows(run_dir: Path, key: str) -> list[dict]:
-    out = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if key in r:
-            out.append({k: v for k, v in r.items() if k not in ("tokens_per_s", "step_ms")})
-    return out
 
 
 # What the tiny run (tiny_run.py: 20 steps, lr 1e-2) reaches, measured on torch 2.13 CPU: final val
@@ -45,20 +36,6 @@ def test_smoke_loss_falls(tmp_path: Path) -> None:
     routing = [json.loads(line) for line in (tmp_path / "routing.jsonl").read_text().splitlines()]
     assert len(routing[0]["layers"]) == 1 and sum(routing[0]["layers"][0]["counts"]) == 4 * 32 * 2
     assert all(layer["dropped"] == 0 for r in routing for layer in r["layers"])
-
-
-def crash_at(trainer: Trainer, crash_step: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run `trainer` until it dies at `crash_step` (before that step's update), like a killed job."""
-    real_step = trainer.train_step
-
-    def crashing(step: int, *args):
-        if step == crash_step:
-            raise KeyboardInterrupt("simulated crash")
-        return real_step(step, *args)
-
-    monkeypatch.setattr(trainer, "train_step", crashing)
-    with pytest.raises(KeyboardInterrupt):
-        trainer.fit()
 
 
 def test_resume_is_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
