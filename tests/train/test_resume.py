@@ -174,6 +174,9 @@ def test_resume_rules_field_by_field() -> None:
             check_resume_config(saved, tiny(change), 10)
     with pytest.raises(ValueError, match="data.tokenizer='hf'"):
         check_resume_config(saved, tiny("data.tokenizer=hf", "data.tokenizer_path=t.json"), 10)
+    hf = to_dict(tiny("data.tokenizer=hf", "data.tokenizer_path=a/tokenizer.json"))
+    with pytest.raises(ValueError, match=r"data\.tokenizer_path='b/tokenizer\.json'"):
+        check_resume_config(hf, tiny("data.tokenizer=hf", "data.tokenizer_path=b/tokenizer.json"), 10)
     assert check_resume_config(saved, tiny(), 20) == {}  # a finished run resumes to nothing
 
 

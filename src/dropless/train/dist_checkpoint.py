@@ -28,8 +28,9 @@ DTensors of the global [E, ...] shape on the (ep, edp) checkpoint mesh with plac
 Shard(0)) (distributed/parallelize.py): each rank's bytes land at their global offset, so a checkpoint
 written at (ep, edp) = (2, 2) loads at (2, 1), (1, 2), or one process's plain [E, ...] tensor.
 
-RNG: rank 0's generator states are saved and every rank restores them (training draws no random
-numbers on the device path; batches are a function of (seed, step, micro-step)). The routing
+RNG: rank 0's generator states are saved and every rank restores them (batches are a function of
+(seed, step, micro-step); the one draw on the device, forced_balance routing, draws the same on
+every rank, so rank 0's states serve all). The routing
 accumulators are per rank: `gather_health` collects them for trainer.pt, and
 `StepAccumulator.state_for_rank` hands them back, resharded when the world size changed.
 """
