@@ -105,7 +105,9 @@ class EPDispatcher:
     mode "exact": split sizes read on the host once per call, never drops, any T per rank. mode
     "buffered": fixed per-link buffers sized for `max_tokens` tokens per rank (required), no host
     sync; overflow counted in the meta; T > max_tokens is refused from the shape, before any
-    collective. `top_k`: the pairs per token the buffers are sized for (None: the decision's slots K;
+    collective, on the rank that holds them: the other ranks cannot learn it without a host read, so
+    they wait in the count exchange until the process group's timeout (the trainer never gets there:
+    its micro-batches are the bound). `top_k`: the pairs per token the buffers are sized for (None: the decision's slots K;
     the variable-count strategies have K = E slots but about top_k pairs per token).
     """
 
