@@ -21,7 +21,7 @@ from dropless.train.loop import Trainer
 from dropless.train.nonfinite import NonFiniteError
 from dropless.train.optim import build_optimizer, step_unless
 from host_sync import forbid_host_sync
-from tiny_run import tiny
+from tiny_run import crash_at, tiny
 
 # Every router-buffer rule, each with an optimizer: the loss-free bias moves the bias every step, so
 # does quantile balancing, and expert_threshold moves its thresholds (and their `ready` flag).
@@ -217,3 +217,23 @@ def test_optimizers_without_found_inf_skip_by_undoing_the_step(skip_first: bool)
     step_unless(opt, torch.tensor(False))
     ref.step()
     assert torch.equal(p, q)
+
+
+def test_a_streak_across_a_resume_stops_where_the_uninterrupted_run_stops(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # As above (steps 3.. bad, checkpoints every 2 steps, stop after 3 in a row), but the run dies
+    # during step 5 and resumes from checkpoint 4, which holds a streak of 1 (step 3): steps 4 and 5
+    # make it 3 at the read before checkpoint 6, as without the crash. A streak restarted at 0 would
+    # write checkpoint 6 and run on.
+    extra = ("train.steps=12", "train.ckpt_every=2", "train.max_nonfinite_steps=3", "log.log_every=4",
+             "train.keep_last=10")
+    first = Trainer(tiny(*extra), tmp_path)
+    poison(first, steps=set(range(3, 12)))
+    crash_at(first, 5, monkeypatch)
+    assert ckpt.latest_checkpoint(tmp_path).name == ckpt.checkpoint_name(4)
+    resumed = Trainer(tiny(*extra), tmp_path, resume=True)
+    poison(resumed, steps=set(range(3, 12)))
+    with pytest.raises(NonFiniteError, match=r"3 consecutive optimizer steps"):
+        resumed.fit()
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
+    assert saved == [ckpt.checkpoint_name(2), ckpt.checkpoint_name(4)]

@@ -163,6 +163,7 @@ class Trainer:
         state = dist_checkpoint.load(path, self.model, self.optimizer, experts=self.expert_names,
                                      meshes=self.meshes)
         ckpt.set_rng_state(state["rng"])
+        self.nonfinite.load_state_dict(state.get("nonfinite", {}))
         self.start_step = int(state["step"])
         self._resume_state = state
         if self.is_main:
@@ -176,7 +177,7 @@ class Trainer:
         """Checkpoint `next_step` in the one format every world size reads (dist_checkpoint.py);
         collective under several processes."""
         state = {"step": next_step, "rng": ckpt.rng_state(), "config": to_dict(self.cfg),
-                 "world_size": self.world_size,
+                 "world_size": self.world_size, "nonfinite": self.nonfinite.state_dict(),
                  "health": dist_checkpoint.gather_health(self.health.state_dict(), self.distributed)}
         return dist_checkpoint.save(self.run_dir, next_step, self.model, self.optimizer, state,
                                     experts=self.expert_names, meshes=self.meshes,

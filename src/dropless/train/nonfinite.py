@@ -52,6 +52,7 @@ class NonFiniteGuard:
         self.pending = 0  # host: flagged steps read but not yet reported in a log row
         self.total = 0  # host: flagged steps of the run (this process's lifetime)
         self.last_worst = 0  # host: the longest streak at the last read
+        self.last_streak = 0  # host: the streak running at the last read
 
     def flag(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
         """The device bool `bad` for this step (agreed over ranks); updates the counters."""
@@ -70,9 +71,22 @@ class NonFiniteGuard:
         count, streak, worst = torch.stack([self.count, self.streak, self.worst]).tolist()
         self.pending += count
         self.total += count
-        self.last_worst = worst
+        self.last_worst, self.last_streak = worst, streak
         self.count.zero_()
         self.worst.fill_(streak)  # a streak still running carries over into the next read
+
+    def state_dict(self) -> dict[str, int]:
+        """What a checkpoint keeps (after `read`, which every save follows): the streak running
+        across it, so a resumed run stops where the uninterrupted one would, and the flagged steps
+        not yet in a log row, so they still reach metrics.jsonl."""
+        return {"streak": self.last_streak, "pending": self.pending}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        streak = int(state.get("streak", 0))
+        self.streak.fill_(streak)
+        self.worst.fill_(streak)
+        self.last_streak = streak
+        self.pending = int(state.get("pending", 0))
 
     def take(self) -> int:
         """Flagged steps since the last log row (after `read`); resets the count."""
