@@ -56,7 +56,7 @@ def test_explicit_dtype_and_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_this_machines_amx_answer_matches_its_flags() -> None:
     # The real queries, unfaked: on Linux the answer follows /proc/cpuinfo and the oneDNN cap.
     flags = D._proc_cpuinfo_flags()
-    if flags is None:
+    if flags is None:  # not Linux: the answer has no second source to be checked against here
         pytest.skip("no /proc/cpuinfo")
     caps = D._torch_cpu_capabilities()
     amx, why = D.cpu_amx_bf16({})
