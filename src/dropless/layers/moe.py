@@ -56,6 +56,10 @@ class MoEOutput:
     stats: MoEStats
     probs_mean_E: torch.Tensor | None = None  # mean router probability, with grad: global aux loss
     seq_aux_loss: torch.Tensor | None = None  # sequence-scope aux loss (when its coefficient is > 0)
+    # the routing decision's expert ids (int64, [T, K], T flattened as in the layer) and, for the
+    # variable-count strategies, which slots hold a pair: what routing replay records
+    ids_TK: torch.Tensor | None = None
+    valid_TK: torch.Tensor | None = None
 
 
 def expert_out_sq(y_RD: torch.Tensor, offsets_E: torch.Tensor,
@@ -139,6 +143,8 @@ class MoELayer(nn.Module):
             stats=stats,
             probs_mean_E=probs_TE.mean(0),
             seq_aux_loss=seq_aux,
+            ids_TK=decision.ids_TK,
+            valid_TK=decision.valid_TK,
         )
 
     def _stats(self, decision: RoutingDecision, counts_E: torch.Tensor, probs_TE: torch.Tensor,

@@ -12,36 +12,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-from ..config import RunConfig, from_dict
 from ..model import MoEModel
-from . import checkpoint as ckpt
+from ..serve.load import load_model
 from .device import resolve_device
 from .tokenizer import load_tokenizer
-
-
-def load_model(run_dir: str | Path, device: torch.device | str = "cpu") -> tuple[MoEModel, RunConfig]:
-    """The model of a run's latest checkpoint, on `device` with all E experts, whatever world size
-    wrote it (the DCP format), or from an older one-process `state.pt`."""
-    path = ckpt.latest_checkpoint(run_dir)
-    if path is None:
-        raise FileNotFoundError(f"no complete checkpoint under {Path(run_dir) / 'checkpoints'}")
-    if ckpt.is_dcp_checkpoint(path):
-        from . import dist_checkpoint
-
-        cfg = from_dict(RunConfig, dist_checkpoint.trainer_state(path)["config"])
-        model = MoEModel(cfg.model)
-        dist_checkpoint.load_full_model(path, model)
-    else:
-        state = ckpt.load_checkpoint(path)
-        cfg = from_dict(RunConfig, state["config"])
-        model = MoEModel(cfg.model)
-        model.load_state_dict(state["model"])
-    model.to(device).eval()
-    return model, cfg
 
 
 @torch.no_grad()
