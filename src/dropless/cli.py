@@ -13,7 +13,7 @@ from . import cpu_alloc
 
 COMMANDS = {
     "train": ("dropless.train.run", "train a model (see --help)"),
-    "generate": ("dropless.train.generate", "sample text from a trained run"),
+    "generate": ("dropless.serve.generate", "sample text from a trained run"),
     "diagnose": ("dropless.monitor.report", "routing-health report for a run directory"),
 }
 BENCHMARKS = {
@@ -22,6 +22,7 @@ BENCHMARKS = {
     "balance": "dropless.bench.balance",
     "precision": "dropless.bench.precision",
     "monitor": "dropless.bench.monitor",
+    "generate": "dropless.bench.generate",
 }
 
 

@@ -1,6 +1,7 @@
 """A decoder-only Mixture-of-Experts language model, in one file, for one device.
 
-Legend: B batch, S sequence, D model width, H heads, Dh head width (D / H), V vocabulary.
+Legend: B batch, S sequence, D model width, H heads, Dh head width (D / H), V vocabulary,
+F rotary frequencies (Dh / 2), L keys attended (cached + new).
 
     tokens_BS -> embedding -> [block] * n_layers -> RMSNorm -> LM head -> logits_BSV
     block(x) = x + attn(norm(x));  x + ffn(norm(x))
@@ -9,6 +10,9 @@ Legend: B batch, S sequence, D model width, H heads, Dh head width (D / H), V vo
 Attention is causal self-attention with rotary positions through `scaled_dot_product_attention`.
 The MoE layers return their aux and z losses; the model adds them to the cross-entropy with their
 coefficients from the config, and returns each layer's statistics (device tensors) for the trainer.
+Incremental decoding (serve/generate.py) passes a `KVCache` (layers/kv_cache.py), each token's
+position for the rotary tables, and which tokens are padding; the training call passes none of them
+and runs exactly the code it ran before (causal SDPA over [S, F] tables).
 Parallelism (expert parallel, FSDP) is applied to this model from outside; nothing here is
 distributed.
 """
@@ -22,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .layers.kv_cache import KVCache, LayerKVCache
 from .layers.mlp import MLP
 from .layers.moe import MoELayer, MoEOutput, MoEStats
 
@@ -46,6 +51,7 @@ def rotary_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tens
 
 
 def apply_rotary(x_BHSDh: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor) -> torch.Tensor:
+    """Tables [S, F] (positions 0..S-1 for every sequence) or [B, 1, S, F] (a position per token)."""
     x1, x2 = x_BHSDh.float().chunk(2, dim=-1)  # rotate pairs (i, i + Dh/2)
     out = torch.cat([x1 * cos_SF - x2 * sin_SF, x1 * sin_SF + x2 * cos_SF], dim=-1)
     return out.to(x_BHSDh.dtype)
@@ -58,12 +64,20 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
-    def forward(self, x_BSD: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor,
+                kv: LayerKVCache | None = None, mask_B1SL: torch.Tensor | None = None) -> torch.Tensor:
+        """`kv`: this layer's cache (the new keys are appended, all cached ones attended);
+        `mask_B1SL`: bool, True = attend (replaces the plain causal mask)."""
         B, S, D = x_BSD.shape
         q, k, v = self.qkv(x_BSD).view(B, S, 3, self.n_heads, D // self.n_heads).unbind(2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # -> B H S Dh
         q, k = apply_rotary(q, cos_SF, sin_SF), apply_rotary(k, cos_SF, sin_SF)
-        y_BHSDh = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if kv is not None:
+            k, v = kv.append(k, v)  # -> B H L Dh
+        if mask_B1SL is None:
+            y_BHSDh = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y_BHSDh = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1SL)
         return self.out(y_BHSDh.transpose(1, 2).reshape(B, S, D))
 
 
@@ -88,8 +102,9 @@ class Block(nn.Module):
         return isinstance(self.ffn, MoELayer)
 
     def forward(self, x: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor,
-                replay_ids: torch.Tensor | None = None, token_ids: torch.Tensor | None = None) -> BlockOutput:
-        x = x + self.attn(self.attn_norm(x), cos_SF, sin_SF)
+                replay_ids: torch.Tensor | None = None, token_ids: torch.Tensor | None = None,
+                kv: LayerKVCache | None = None, mask_B1SL: torch.Tensor | None = None) -> BlockOutput:
+        x = x + self.attn(self.attn_norm(x), cos_SF, sin_SF, kv, mask_B1SL)
         h = self.ffn_norm(x)
         if not self.is_moe:
             return BlockOutput(x + self.ffn(h))
@@ -134,17 +149,38 @@ class MoEModel(nn.Module):
         return [b.ffn for b in self.blocks if b.is_moe]
 
     def forward(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor | None = None,
-                replay_ids: list[torch.Tensor] | None = None) -> ModelOutput:
-        """`replay_ids`: per MoE layer, expert ids [B, S, K] to use instead of the router's choice."""
+                replay_ids: list[torch.Tensor] | None = None, *, positions_BS: torch.Tensor | None = None,
+                cache: KVCache | None = None, valid_BS: torch.Tensor | None = None) -> ModelOutput:
+        """`replay_ids`: per MoE layer, expert ids [B, S, K] to use instead of the router's choice.
+
+        Incremental decoding (all optional; the training call passes none):
+        - `cache`: keys/values of the earlier positions; this call's are appended (its `length`
+          advances by S) and the tokens attend to all cached ones they may see.
+        - `positions_BS`: each token's rotary position (int64; left padding: a prompt's first real
+          token is position 0). Default: 0..S-1, or the cache's length onwards. Not checked against
+          max_seq_len on the device (a host read): callers check (serve/generate.py does).
+        - `valid_BS`: bool, False at padding tokens, which real tokens then never attend to."""
         B, S = tokens_BS.shape
-        if S > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {S} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        start = cache.length if cache is not None else 0
+        if start + S > self.cfg.max_seq_len and positions_BS is None:
+            raise ValueError(f"sequence length {start + S} exceeds model.max_seq_len={self.cfg.max_seq_len}")
         x = self.embed(tokens_BS)
-        cos, sin = self.rope_cos[:S], self.rope_sin[:S]
+        if positions_BS is None:
+            cos, sin = self.rope_cos[start:start + S], self.rope_sin[start:start + S]
+        else:
+            cos, sin = self.rope_cos[positions_BS].unsqueeze(1), self.rope_sin[positions_BS].unsqueeze(1)
+        mask = None
+        if cache is not None:
+            mask = cache.begin(S, valid_BS)
+        elif valid_BS is not None:
+            causal_SS = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
+            mask = (causal_SS & valid_BS[:, None, :]) | torch.eye(S, dtype=torch.bool, device=x.device)
+            mask = mask.unsqueeze(1)  # B 1 S S; a padding query sees itself only (layers/kv_cache.py)
         moe: list[MoEOutput] = []
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
             ids = replay_ids[len(moe)] if (replay_ids is not None and block.is_moe) else None
-            out = block(x, cos, sin, ids, tokens_BS)
+            kv = cache.layers[i] if cache is not None else None
+            out = block(x, cos, sin, ids, tokens_BS, kv, mask)
             x = out.x
             if out.moe is not None:
                 moe.append(out.moe)

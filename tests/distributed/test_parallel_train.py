@@ -18,7 +18,7 @@ import torch
 from dist_harness import run_world
 from dropless.train import checkpoint as ckpt
 from dropless.train.data import eval_batches, load_splits
-from dropless.train.generate import load_model
+from dropless.serve.load import load_model
 from dropless.train.loop import Trainer
 from dropless.train.overflow import EPOverflowError
 from dropless.train.tokenizer import load_tokenizer

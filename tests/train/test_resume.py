@@ -15,7 +15,7 @@ from dropless.config import load_config, save_config, to_dict
 from dropless.monitor.stats import StepAccumulator
 from dropless.train import checkpoint as ckpt
 from dropless.train import dist_checkpoint
-from dropless.train.generate import load_model
+from dropless.serve.load import load_model
 from dropless.train.loop import Trainer
 from dropless.train.resume import check_resume_config
 from dropless.train import run as run_module

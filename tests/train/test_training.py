@@ -10,7 +10,8 @@ import torch
 
 from dropless.config import load_config
 from dropless.train import checkpoint as ckpt
-from dropless.train.generate import load_model, sample
+from dropless.serve.generate import generate
+from dropless.serve.load import load_model
 from dropless.train.loop import Trainer
 from dropless.train.run import main as train_main
 from tiny_run import crash_at, rows, tiny
@@ -95,10 +96,10 @@ def test_checkpoint_round_trip_and_generate(tmp_path: Path) -> None:
     x = torch.randint(0, 256, (2, 16))
     trainer.model.eval()
     assert torch.equal(model(x).logits, trainer.model(x).logits)
-    out = sample(model, list(b"def "), 20, temperature=1.0, top_k=10, generator=torch.Generator().manual_seed(0))
+    out = generate(model, [list(b"def ")], 20, temperature=1.0, top_k=10, seed=0).tokens[0]
     assert len(out) == 20 and all(0 <= t < 256 for t in out)
-    greedy = sample(model, list(b"def "), 5, temperature=0)
-    assert greedy == sample(model, list(b"def "), 5, temperature=0)
+    greedy = generate(model, [list(b"def ")], 5, temperature=0).tokens
+    assert greedy == generate(model, [list(b"def ")], 5, temperature=0).tokens
 
 
 def test_cli_errors_are_clear(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..config import MoEConfig
 from ..ops import routing
-from . import balance
+from . import balance, decode_experts
 from .dispatch import DispatchMeta, Dispatcher, build_dispatcher
 from .experts import ExpertBatch, GroupedExperts, resolve_backend
 from .mlp import MLP
@@ -112,6 +112,9 @@ class MoELayer(nn.Module):
         # (and its EP twin, distributed.ep.build_ep_dispatcher) honours it
         self.dispatcher: Dispatcher = dispatcher or build_dispatcher(cfg, self.experts)
         self.detailed_stats = False  # set by the trainer on log steps
+        # calls of at most this many tokens take the gather path (decode_experts.py; 0 = never,
+        # None = the measured default of the device)
+        self.decode_max_tokens: int | None = None
 
     def forward(self, x: torch.Tensor, replay_ids: torch.Tensor | None = None,
                 token_ids: torch.Tensor | None = None) -> MoEOutput:
@@ -121,9 +124,14 @@ class MoELayer(nn.Module):
         x_TD = x.reshape(-1, shape[-1])
         replay_TK = replay_ids.reshape(-1, self.cfg.top_k) if replay_ids is not None else None
         decision = self.router(x_TD, replay_TK, token_ids)
-        batch, meta = self.dispatcher.dispatch(x_TD, decision)
-        y_RD = self.experts(batch)
-        y_TD = self.dispatcher.combine(y_RD, meta)
+        if decode_experts.applies(self.experts, self.dispatcher, decision, x_TD.shape[0],
+                                  self.decode_max_tokens, self.detailed_stats):
+            y_TD = decode_experts.gathered_experts(x_TD, decision, self.experts)
+            batch, meta, y_RD = None, decode_experts.no_drop_meta(decision, self.cfg.num_experts), None
+        else:
+            batch, meta = self.dispatcher.dispatch(x_TD, decision)
+            y_RD = self.experts(batch)
+            y_TD = self.dispatcher.combine(y_RD, meta)
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)
         E, K = self.cfg.num_experts, self.cfg.top_k

@@ -1,0 +1,321 @@
+"""`dropless generate` and its Python API: prefill once, then one token per step with a KV cache;
+the recompute path as the reference.
+
+    dropless generate --run-dir DIR --prompt TEXT [--prompt TEXT2 ...] [--prompts-file F]
+        [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--repetition-penalty R]
+        [--stop STR ...] [--seed S] [--device auto|cpu|cuda] [--dtype fp32|bf16] [--no-cache]
+
+One prompt streams its tokens to stdout as they come; a batch prints each sequence when all are done.
+
+Legend: B sequences, P longest prompt, V vocabulary, L_moe MoE layers, K experts per token.
+
+`generate(model, prompts, max_new_tokens, ...)` runs a batch of prompts of different lengths:
+- use_cache=True (default): the prompts are left-padded to P and prefilled in one forward (padding
+  masked out of attention, each prompt's first real token at rotary position 0); each step then
+  feeds the B sampled tokens through the model once, attending to the cached keys and values
+  (layers/kv_cache.py). Positions must stay inside the rotary tables: longest prompt +
+  max_new_tokens <= model.max_seq_len.
+- use_cache=False: the reference, and what `dropless generate` did before: each step recomputes
+  every sequence's whole context on its own (no padding; a context longer than max_seq_len keeps its
+  last max_seq_len tokens, a sliding window). Sampling consumes the generator identically in both
+  paths, so equal logits give equal tokens.
+The two paths run different batch shapes through the BLAS, so their logits agree to the fp32 noise
+floor, not bit for bit (docs/numerics.md); greedy tokens agree unless two logits are that close.
+
+Stop sequences (token id lists, or strings encoded with the tokenizer: the byte tokenizer matches
+strings exactly; a BPE tokenizer may spell the same text with other tokens, which is not caught) end
+a sequence when its generated tokens end with one. The stop sequence is cut from the result and never
+streamed: `on_token(i, token)` receives a token once no stop sequence can still start at or before it.
+An empty prompt starts from token 0 (the byte tokenizer has no BOS; NUL stands in).
+
+record_routing: the result holds, per sequence, the expert ids of every MoE layer for every token of
+prompt + returned tokens (int64 [L_moe, n_tokens, K], CPU): prompt tokens from the prefill, each
+generated token from the step that fed it (one extra step feeds the last sampled token), padding
+excluded. Strategies whose decisions carry a validity mask (expert_choice, expert_threshold) are
+refused: their choice depends on the batch, which a record of ids cannot replay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from ..layers.kv_cache import KVCache
+from ..model import MoEModel
+from ..train.device import resolve_device
+from ..train.tokenizer import load_tokenizer
+from .evaluate import autocast
+from .load import load_model
+from .sampling import Sampling, sample_next
+
+MASKED_STRATEGIES = ("expert_choice", "expert_threshold")
+
+
+@dataclass
+class GenerateResult:
+    tokens: list[list[int]]  # generated ids per prompt (stop sequence cut)
+    finish: list[str]  # "stop" or "length" per prompt
+    routing: list[torch.Tensor] | None = None  # record_routing: int64 [L_moe, n_tokens, K] per prompt
+    prompt_lens: list[int] = field(default_factory=list)  # tokens of each prompt as fed (empty -> 1)
+
+
+class _Cached:
+    """Left-padded batch: one prefill, then one forward of B tokens per step."""
+
+    def __init__(self, model: MoEModel, prompts: list[list[int]], capacity: int) -> None:
+        dev = model.embed.weight.device
+        self.model, self.B, self.P = model, len(prompts), max(len(p) for p in prompts)
+        self.pads = [self.P - len(p) for p in prompts]
+        self.tokens_BP = torch.tensor([[0] * pad + p for pad, p in zip(self.pads, prompts)], device=dev)
+        pad_B1 = torch.tensor(self.pads, device=dev).unsqueeze(1)
+        col_1P = torch.arange(self.P, device=dev).unsqueeze(0)
+        self.valid_BP = col_1P >= pad_B1
+        self.pos_BP = (col_1P - pad_B1).clamp_min(0)
+        self.next_pos_B1 = torch.tensor([len(p) for p in prompts], device=dev).unsqueeze(1)
+        self.cache = KVCache.for_model(model, self.B, capacity)
+
+    def prefill(self) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+        out = self.model(self.tokens_BP, positions_BS=self.pos_BP, cache=self.cache, valid_BS=self.valid_BP)
+        ids = [m.ids_TK.view(self.B, self.P, -1) for m in out.moe]
+        return out.logits[:, -1], [[i[b, pad:] for i in ids] for b, pad in enumerate(self.pads)]
+
+    def step(self, next_B: torch.Tensor) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+        out = self.model(next_B.unsqueeze(1), positions_BS=self.next_pos_B1, cache=self.cache)
+        self.next_pos_B1 = self.next_pos_B1 + 1
+        ids = [m.ids_TK.view(self.B, 1, -1) for m in out.moe]
+        return out.logits[:, -1], [[i[b] for i in ids] for b in range(self.B)]
+
+
+class _Recompute:
+    """The reference: every sequence's whole (cropped) context, one sequence at a time, each step."""
+
+    def __init__(self, model: MoEModel, prompts: list[list[int]]) -> None:
+        dev = model.embed.weight.device
+        self.model = model
+        self.ctx = [torch.tensor(p, device=dev) for p in prompts]
+
+    def _run(self, new: int | None) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+        logits, ids = [], []
+        for ctx in self.ctx:
+            out = self.model(ctx[-self.model.cfg.max_seq_len:].unsqueeze(0))
+            logits.append(out.logits[0, -1])
+            ids.append([m.ids_TK[-(new or ctx.numel()):] for m in out.moe])
+        return torch.stack(logits), ids
+
+    def prefill(self) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+        return self._run(None)
+
+    def step(self, next_B: torch.Tensor) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+        self.ctx = [torch.cat([c, next_B[b:b + 1]]) for b, c in enumerate(self.ctx)]
+        return self._run(1)
+
+
+def stop_sequences(stop: Sequence[str | Sequence[int]] | None, tokenizer: object | None) -> list[list[int]]:
+    out = []
+    for s in stop or []:
+        if isinstance(s, str):
+            if tokenizer is None:
+                raise ValueError(f"stop={s!r}: a stop string needs a tokenizer (or pass token ids)")
+            ids = list(tokenizer.encode(s))
+        else:
+            ids = [int(i) for i in s]
+        if not ids:
+            raise ValueError(f"stop={s!r} (--stop): an empty stop sequence would stop at once")
+        out.append(ids)
+    return out
+
+
+def _held(tokens: list[int], stops: list[list[int]]) -> int:
+    """How many trailing tokens could still be the start of a stop sequence (not yet safe to emit)."""
+    held = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(tokens)), held, -1):
+            if tokens[-n:] == s[:n]:
+                held = n
+                break
+    return held
+
+
+def _check(model: MoEModel, prompts: list[list[int]], max_new_tokens: int, use_cache: bool,
+           record_routing: bool) -> None:
+    V, S_max = model.cfg.vocab_size, model.cfg.max_seq_len
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError(f"prompts: need a non-empty list of token id lists, got {prompts!r:.80}")
+    for i, p in enumerate(prompts):
+        bad = [t for t in p if not (isinstance(t, int) and 0 <= t < V)]
+        if bad:
+            raise ValueError(f"prompts[{i}]: token {bad[0]!r} is not an id in [0, {V})")
+    if not (isinstance(max_new_tokens, int) and max_new_tokens >= 0):
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} (--max-new-tokens): must be an integer >= 0")
+    longest = max(max(len(p), 1) for p in prompts)
+    if (use_cache or record_routing) and longest + max_new_tokens > S_max:
+        raise ValueError(
+            f"max_new_tokens={max_new_tokens} (--max-new-tokens): the longest prompt ({longest} tokens) plus "
+            f"the new tokens exceed model.max_seq_len={S_max}, the positions the model has; "
+            + ("the recompute path (--no-cache) crops the context instead" if use_cache and not record_routing
+               else "recording routing needs every token in one context"))
+    if record_routing and model.moe_layers() and model.cfg.moe.router.strategy in MASKED_STRATEGIES:
+        raise ValueError(f"record_routing with model.moe.router.strategy={model.cfg.moe.router.strategy!r}: "
+                         "its choices depend on the whole batch, a record of ids cannot replay them")
+
+
+@torch.no_grad()
+def generate(model: MoEModel, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, repetition_penalty: float = 1.0,
+             stop: Sequence[str | Sequence[int]] | None = None, tokenizer: object | None = None,
+             seed: int | None = None, generator: torch.Generator | None = None, use_cache: bool = True,
+             on_token: Callable[[int, int], None] | None = None, record_routing: bool = False,
+             dtype: str = "fp32") -> GenerateResult:
+    """Sample up to `max_new_tokens` per prompt (see the module docstring). `seed` seeds a fresh
+    generator on the model's device (else `generator`, else torch's global one); `dtype` the
+    autocast dtype of the forward ("fp32": none)."""
+    s = Sampling(temperature, top_k, top_p, repetition_penalty)
+    _check(model, prompts, max_new_tokens, use_cache, record_routing)
+    stops = stop_sequences(stop, tokenizer)
+    dev = model.embed.weight.device
+    if seed is not None:
+        generator = torch.Generator(dev).manual_seed(seed)
+    prompts = [list(p) or [0] for p in prompts]
+    B = len(prompts)
+    runner = _Cached(model, prompts, max(map(len, prompts)) + max_new_tokens) if use_cache else _Recompute(model, prompts)
+    seen_BV = torch.zeros(B, model.cfg.vocab_size, dtype=torch.bool, device=dev)
+    for b, p in enumerate(prompts):
+        seen_BV[b, p] = True
+    out_BN = torch.zeros(B, max_new_tokens, dtype=torch.long, device=dev)
+    routing: list[list[list[torch.Tensor]]] = [[] for _ in range(B)]  # [seq][forward][layer]
+    host = on_token is not None or bool(stops)  # a per-step host read only when someone needs it
+    tokens: list[list[int]] = [[] for _ in range(B)]
+    emitted, done = [0] * B, [False] * B
+    n_out = 0
+
+    def record(ids: list[list[torch.Tensor]]) -> None:
+        if record_routing:
+            for b in range(B):
+                routing[b].append(ids[b])
+
+    with autocast(dev, dtype):
+        if max_new_tokens or record_routing:
+            logits_BV, ids = runner.prefill()
+            record(ids)
+        for n in range(max_new_tokens):
+            next_B = sample_next(logits_BV, seen_BV, s, generator)
+            out_BN[:, n] = next_B
+            n_out = n + 1
+            seen_BV.scatter_(1, next_B.unsqueeze(1), True)
+            if host:
+                last = n + 1 == max_new_tokens
+                for b, t in enumerate(next_B.tolist()):
+                    if done[b]:
+                        continue
+                    tokens[b].append(t)
+                    hit = next((st for st in stops if tokens[b][-len(st):] == st), None)
+                    if hit is not None:
+                        del tokens[b][-len(hit):]
+                        done[b] = True
+                    safe = len(tokens[b]) - (0 if done[b] or last else _held(tokens[b], stops))
+                    if on_token is not None:
+                        for tok in tokens[b][emitted[b]:safe]:
+                            on_token(b, tok)
+                    emitted[b] = max(emitted[b], safe)
+                if all(done):
+                    break  # every kept token was fed already: a stop sequence is never empty
+            if n + 1 < max_new_tokens or record_routing:  # the last token is fed only to record it
+                logits_BV, ids = runner.step(next_B)
+                record(ids)
+    if not host:
+        tokens = out_BN[:, :n_out].tolist()
+    finish = ["stop" if d else "length" for d in done]
+    result = GenerateResult(tokens, finish, None, [len(p) for p in prompts])
+    if record_routing:
+        result.routing = []
+        for b in range(B):
+            per_layer = [torch.cat([f[i] for f in routing[b]]) for i in range(len(model.moe_layers()))]
+            n_tok = len(prompts[b]) + len(tokens[b])
+            result.routing.append(torch.stack(per_layer)[:, :n_tok].cpu() if per_layer
+                                  else torch.zeros(0, n_tok, 0, dtype=torch.long))
+    return result
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt or [])
+    if args.prompts_file is not None:
+        path = Path(args.prompts_file)
+        if not path.is_file():
+            raise ValueError(f"--prompts-file={args.prompts_file!r}: no such file")
+        prompts += [line for line in path.read_text(encoding="utf-8").splitlines() if line]
+    return prompts or [""]
+
+
+class _Printer:
+    """Streams one sequence's text to stdout, holding back an incomplete UTF-8 character (the byte
+    tokenizer emits a multi-byte character one byte at a time)."""
+
+    def __init__(self, tok: object, prompt: str) -> None:
+        self.tok, self.prompt, self.ids, self.shown = tok, prompt, [], 0
+
+    def __call__(self, _seq: int, token: int) -> None:
+        if self.prompt is not None:  # echoed once the generation is under way (no error after it)
+            sys.stdout.write(self.prompt)
+            self.prompt = None
+        self.ids.append(token)
+        text = self.tok.decode(self.ids)
+        if not text.endswith("\ufffd"):
+            sys.stdout.write(text[self.shown:])
+            sys.stdout.flush()
+            self.shown = len(text)
+
+    def flush(self) -> None:
+        sys.stdout.write((self.prompt or "") + self.tok.decode(self.ids)[self.shown:] + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dropless generate", description="Sample text from a trained run "
+                                "(latest checkpoint), with a KV cache.")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    p.add_argument("--prompts-file", help="one prompt per non-empty line, added after --prompt ones")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=40, help="0 = off")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--stop", action="append", help="stop string, cut from the output (repeatable)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--dtype", default="fp32", help="fp32 | bf16 (autocast; the router stays fp32)")
+    p.add_argument("--no-cache", action="store_true", help="recompute the whole context every token")
+    args = p.parse_args(argv)
+    try:
+        if args.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device={args.device!r}: must be one of auto, cpu, cuda")
+        if args.dtype not in ("fp32", "bf16"):
+            raise ValueError(f"--dtype={args.dtype!r}: must be fp32 or bf16")
+        top_k = None if args.top_k == 0 else args.top_k
+        Sampling(args.temperature, top_k, args.top_p, args.repetition_penalty)  # before loading
+        device = resolve_device(args.device)[0]
+        model, cfg = load_model(args.run_dir, device)
+        tok = load_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
+        texts = _read_prompts(args)
+        printer = _Printer(tok, texts[0]) if len(texts) == 1 else None
+        result = generate(model, [tok.encode(t) for t in texts], args.max_new_tokens,
+                          temperature=args.temperature, top_k=top_k, top_p=args.top_p,
+                          repetition_penalty=args.repetition_penalty, stop=args.stop, tokenizer=tok,
+                          seed=args.seed, use_cache=not args.no_cache, on_token=printer, dtype=args.dtype)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"dropless generate: error: {err}", file=sys.stderr)
+        return 2
+    if printer is not None:
+        printer.flush()
+    else:
+        for i, (text, ids) in enumerate(zip(texts, result.tokens)):
+            print(f"--- [{i}] ({result.finish[i]})\n{text}{tok.decode(ids)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
