@@ -142,3 +142,15 @@ def test_sampling_dataclass_matches_generate_checks() -> None:
     with pytest.raises(ValueError, match="--top-k"):
         Sampling(top_k=0)
     assert isinstance(small_model(), MoEModel)
+
+
+def test_recorded_routing_replays_in_a_training_forward() -> None:
+    # the record is a plain tensor (not an inference-mode one): a forward with backward can replay it
+    # and routes exactly as recorded
+    model = small_model()
+    out = generate(model, PROMPTS[:1], 6, temperature=0, record_routing=True)
+    seq = torch.tensor(PROMPTS[0] + out.tokens[0]).unsqueeze(0)
+    replay = [ids.unsqueeze(0) for ids in out.routing[0]]
+    res = model(seq[:, :-1], seq[:, 1:], replay_ids=[r[:, :-1] for r in replay])
+    res.loss.backward()
+    assert all(torch.equal(m.ids_TK, r[0, :-1]) for m, r in zip(res.moe, replay))

@@ -1,34 +1,44 @@
-"""The decode-time expert path: gather each pair's expert weights and run one batched matmul.
+"""The decode-time expert path: each pair reads its expert's weight rows in place, no routing plan.
 
-Legend: T tokens, K experts per token, P = T*K pairs (token-major), D model width, E experts,
-F expert width (2F for the gated first GEMM).
+Legend: T tokens, K experts per token, P = T*K pairs (token-major: p = t*K + k), D model width,
+E experts, F expert width, W the first GEMM's width (2F gated, F otherwise).
 
 At decode time T is the batch size (one new token per sequence). The grouped path then pays a
-routing plan (a sort, counts, a cumulative sum), a gather into expert order and one GEMM per expert
-group for a handful of rows, and a scatter back: mostly fixed costs. Here each pair instead gathers
-its expert's matrices (w_gate_up_EDF[ids] -> [P, D, 2F], w_down_EFD[ids] -> [P, F, D]) and runs two
-bmm's with one row per matrix; the K rows of a token sit side by side and are summed. No plan, no
-permutation, no host read.
+routing plan (a sort, counts, a cumulative sum), a gather into expert order, one GEMM call per expert
+(empty groups included, on CPU) and a scatter back: mostly fixed costs for a handful of rows. Here
+both expert GEMMs are weighted sums of weight rows, which `embedding_bag` computes without copying
+the weights:
+- h[p] = sum_d x[t, d] * w_gate_up[e_p, d, :]: one bag per pair, the D rows of expert e_p's matrix
+  (rows e_p*D + d of the [E*D, W] view), each weighted by the token's activation x[t, d];
+- y[t] = sum_k sum_f a[p, f] * w_down[e_p, f, :]: one bag per token, the K*F rows of its experts'
+  down matrices weighted by the activation a (routing weight folded in before the down GEMM, as the
+  grouped path does), so the down GEMM and the combine are one call.
+No plan, no permutation, no host read; gradients flow to the weights and to x through the bags.
+What was measured against it (CPU, D = F = 256, E = 8, K = 2, one token): gathering the chosen
+experts' matrices (index_select, [P, D, W]) and two bmm's costs 2.5x the bags (the copy of
+whole matrices dominates); a dense product through all E experts (weight 0 off the chosen ones)
+reads E matrices instead of K and was slower still at T = 1.
 
-Its cost grows with the pairs: the gather copies P expert matrices, where the grouped path reads each
-of the E matrices once. So the gather pays only while P is small next to the fixed costs it saves;
-`DECODE_MAX_TOKENS` is where it stopped paying when measured (`dropless bench generate`, the MoE
-path table, and docs/serving.md "## Generation").
+Its cost grows with the pairs (each bag walks D or K*F rows one by one), where the grouped path's
+GEMMs reuse each expert's weights across its rows; `DECODE_MAX_TOKENS` is where it stopped paying
+when measured (`dropless bench generate`, the MoE path table; docs/serving.md "## Generation").
 
-Numerics: the same operations as the grouped path on the same numbers (the first GEMM, the
-activation with the routing weight folded in before the down GEMM, the down GEMM, a sum of a token's
-K rows), but through bmm instead of grouped_mm, so results differ by the BLAS's rounding of a
-reordered dot product (tests/tolerances.py REFERENCE), not bit for bit.
+Numerics: the same products as the grouped path on the same numbers, summed in another order (a
+row walk instead of a blocked GEMM, the K pairs of a token inside one sum instead of a combine
+afterwards): results differ by reordered fp32 sums (tests/tolerances.py REFERENCE), not bit for bit.
 
-Applies only where the layer is a plain single-device dropless layer: full-precision experts (the
-quantised recipes quantise per expert group), no capacity layout (it drops pairs by position in
-the expert's group), token-choice-shaped decisions (no validity mask), a local dispatcher (expert
-parallel moves pairs between ranks), and no detailed statistics (they read the expert-ordered rows).
+Applies only where the layer is a plain single-device dropless layer in its weights' dtype:
+full-precision experts (the quantised recipes quantise per expert group), no autocast (the grouped
+path casts all E matrices to the autocast dtype; doing that here would cost more than it saves),
+no capacity layout (it drops pairs by position in the expert's group), token-choice-shaped
+decisions (no validity mask), a local dispatcher (expert parallel moves pairs between ranks), and no
+detailed statistics (they read the expert-ordered rows).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..ops import quant_gemm
 from ..ops.activations import activation, weighted_swiglu
@@ -37,12 +47,11 @@ from .experts import GroupedExperts
 from .router import RoutingDecision
 
 # Calls of at most this many tokens take the gather path, per device type (measured with
-# `dropless bench generate`'s MoE path table at the default preset's shapes, D = F = 256, E = 8, K = 2;
-# figures in docs/serving.md "## Generation"). CPU: the gather's weight copy (~100 us per call for two
-# pairs) costs about what the plan and per-expert GEMM calls it saves, so it pays at T = 1 only and
-# loses from T = 2. CUDA: see the docs for the measured row; the grouped path's fixed kernel launches
-# (sort, counts, cumsum, permute, grouped GEMM, scatter) dominate at batch-size token counts.
-DECODE_MAX_TOKENS = {"cpu": 1, "cuda": 16}
+# `dropless bench generate`'s MoE path table and the layer alone at the default preset's shapes,
+# D = F = 256, E = 8, K = 2; figures in docs/serving.md "## Generation"). CPU (one thread, whole
+# layer): 0.67 vs 0.95 ms at T = 1, 0.92 vs 1.15 at T = 4, even at T = 8, slower from T = 16 (1.64 vs
+# 1.41): the bags walk D rows per pair where the GEMMs reuse each weight across rows.
+DECODE_MAX_TOKENS = {"cpu": 4, "cuda": 16}
 
 
 def default_max_tokens(device: torch.device) -> int:
@@ -50,35 +59,43 @@ def default_max_tokens(device: torch.device) -> int:
 
 
 def gathered_experts(x_TD: torch.Tensor, decision: RoutingDecision, experts: GroupedExperts) -> torch.Tensor:
-    """The routed experts' weighted sum per token, y_TD, by gathered weights and bmm."""
+    """The routed experts' weighted sum per token, y_TD, as two weighted row-gather sums."""
     T, K = decision.ids_TK.shape
-    ids_P = decision.ids_TK.reshape(-1)
-    # Gather first, cast after: under autocast bmm casts its operands itself (P matrices, not all E,
-    # as GroupedExperts must for grouped_mm); outside it the rows take the weights' dtype, as there.
-    w1_PD2F, w2_PFD = experts.w_gate_up_EDF[ids_P], experts.w_down_EFD[ids_P]
-    dev = x_TD.device.type
-    autocast = torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)
-    if not autocast and x_TD.dtype != w1_PD2F.dtype:
-        x_TD = x_TD.to(w1_PD2F.dtype)
-    x_P1D = x_TD.repeat_interleave(K, dim=0).unsqueeze(1)  # pair p = t * K + k reads token t
-    h_P2F = torch.bmm(x_P1D, w1_PD2F).squeeze(1)
+    w1_ED_W, w2_EFD = experts.w_gate_up_EDF, experts.w_down_EFD
+    E, D, W = w1_ED_W.shape
+    Fw = w2_EFD.shape[1]
+    if x_TD.dtype != w1_ED_W.dtype:
+        x_TD = x_TD.to(w1_ED_W.dtype)
+    ids_P = decision.ids_TK.reshape(-1)  # pair p = t * K + k
+    dev = ids_P.device
+    # first GEMM: h[p] = sum_d x[t, d] * w1[e_p, d, :], i.e. a bag of pair p's D weight rows
+    rows_PD = (ids_P.unsqueeze(1) * D + torch.arange(D, device=dev)).reshape(-1)
+    coef_PD = x_TD.repeat_interleave(K, dim=0).reshape(-1)
+    starts_P = torch.arange(0, ids_P.numel() * D, D, device=dev)
+    h_PW = F.embedding_bag(rows_PD, w1_ED_W.reshape(E * D, W), starts_P, mode="sum",
+                           per_sample_weights=coef_PD)
     weights_P = decision.weights_TK.reshape(-1)
     if experts.kind == "swiglu" and experts.clamp is None and experts.softcap is None:
-        h_PF = weighted_swiglu(h_P2F, weights_P)
+        h_PF = weighted_swiglu(h_PW, weights_P)
     else:
-        h_PF = activation(h_P2F, experts.kind, experts.clamp, experts.softcap)
+        h_PF = activation(h_PW, experts.kind, experts.clamp, experts.softcap)
         h_PF = h_PF * weights_P.to(h_PF.dtype).unsqueeze(-1)
-    y_PD = torch.bmm(h_PF.unsqueeze(1), w2_PFD).squeeze(1)
-    return y_PD.view(T, K, -1).sum(1)
+    # down GEMM and the sum over a token's K pairs in one bag per token: its K x F rows of w2
+    rows_PF = (ids_P.unsqueeze(1) * Fw + torch.arange(Fw, device=dev)).reshape(-1)
+    starts_T = torch.arange(0, T * K * Fw, K * Fw, device=dev)
+    return F.embedding_bag(rows_PF, w2_EFD.reshape(E * Fw, -1), starts_T, mode="sum",
+                           per_sample_weights=h_PF.reshape(-1))
 
 
 def applies(experts: GroupedExperts, dispatcher: object, decision: RoutingDecision, n_tokens: int,
             max_tokens: int | None, detailed_stats: bool) -> bool:
     """Whether a layer call takes the gather path (host-side facts only: no device read).
     `max_tokens` None: `DECODE_MAX_TOKENS` of the device."""
+    dev = decision.ids_TK.device
     if max_tokens is None:
-        max_tokens = default_max_tokens(decision.ids_TK.device)
-    return (n_tokens <= max_tokens and decision.valid_TK is None and not detailed_stats
+        max_tokens = default_max_tokens(dev)
+    autocast = torch.amp.is_autocast_available(dev.type) and torch.is_autocast_enabled(dev.type)
+    return (n_tokens <= max_tokens and not autocast and decision.valid_TK is None and not detailed_stats
             and experts.precision == quant_gemm.FULL_PRECISION
             and type(dispatcher) is LocalDispatcher and dispatcher.capacity_factor is None)
 

@@ -1,0 +1,91 @@
+"""`dropless generate` and `dropless bench generate` on a tiny trained run: streaming, batches, the
+recompute path, bad flags (exit 2, the flag named, nothing written)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dropless.bench.generate import main as bench_main
+from dropless.serve.generate import generate, main
+from dropless.serve.load import load_model
+from dropless.train.loop import Trainer
+from tiny_run import tiny
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("run")
+    Trainer(tiny("train.steps=3", "train.eval_every=3", "train.ckpt_every=3"), path).fit()
+    return path
+
+
+def cli(run_dir: Path, *extra: str) -> list[str]:
+    return ["--run-dir", str(run_dir), "--device", "cpu", "--temperature", "0", "--max-new-tokens", "10",
+            *extra]
+
+
+def test_one_prompt_streams_the_api_text(run_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    model, _ = load_model(run_dir)
+    ids = generate(model, [list(b"def ")], 10, temperature=0).tokens[0]
+    assert main(cli(run_dir, "--prompt", "def ")) == 0
+    expected = "def " + bytes(ids).decode("utf-8", errors="replace") + "\n"
+    assert capsys.readouterr().out == expected
+    assert main(cli(run_dir, "--prompt", "def ", "--no-cache")) == 0
+    assert capsys.readouterr().out == expected
+
+
+def test_batch_prints_each_sequence(run_dir: Path, capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("import \n\nclass \n")
+    assert main(cli(run_dir, "--prompt", "def ", "--prompts-file", str(prompts), "--top-p", "0.9",
+                    "--repetition-penalty", "1.2", "--stop", "zzz")) == 0
+    out = capsys.readouterr().out
+    assert out.index("--- [0]") < out.index("--- [1]") < out.index("--- [2]")
+    assert "\ndef " in out and "\nimport " in out and "\nclass " in out
+
+
+@pytest.mark.parametrize("flag,value", [
+    ("--temperature", "-1"), ("--top-k", "-2"), ("--top-p", "1.5"), ("--repetition-penalty", "0"),
+    ("--max-new-tokens", "-3"), ("--max-new-tokens", "40"), ("--device", "tpu"), ("--dtype", "fp16"),
+    ("--prompts-file", "/nonexistent/p.txt"), ("--stop", ""),
+])
+def test_bad_flags_exit_2_naming_the_flag(run_dir: Path, capsys: pytest.CaptureFixture, flag: str,
+                                          value: str) -> None:
+    args = cli(run_dir, "--prompt", "def ")
+    if flag in args:
+        i = args.index(flag)
+        args[i + 1] = value
+    else:
+        args += [flag, value]
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert flag in captured.err and captured.out == ""
+
+
+def test_run_without_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["--run-dir", str(tmp_path), "--prompt", "x"]) == 2
+    assert "no complete checkpoint" in capsys.readouterr().err
+
+
+def test_bench_generate_runs_on_a_run_with_longer_contexts(run_dir: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "bench.json"
+    # contexts past the run's max_seq_len (32): the weights load into a model with longer tables
+    assert bench_main(["--run-dir", str(run_dir), "--device", "cpu", "--contexts", "8,40",
+                       "--path-batches", "1,5", "--repeats", "1", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [r["context"] for r in data["contexts"]] == [8, 40]
+    assert all(r["decode_cache_tok_s"] > 0 and r["speedup"] > 0 for r in data["contexts"])
+    assert [p["auto"] for p in data["moe_paths"]] == ["gather", "grouped"]  # CPU threshold: 4 tokens
+    assert "speedup" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,flag", [(["--contexts", "0,8"], "--contexts"), (["--batch", "0"], "--batch"),
+                                       (["--config", "nope"], "--config"), (["--dtype", "x"], "--dtype")])
+def test_bench_bad_flags(tmp_path: Path, capsys: pytest.CaptureFixture, args: list[str], flag: str) -> None:
+    out = tmp_path / "b.json"
+    assert bench_main(args + ["--json", str(out), "--device", "cpu"]) == 2
+    assert flag in capsys.readouterr().err and not out.exists()
