@@ -4,6 +4,8 @@ the routing record; argument validation."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -60,6 +62,11 @@ def test_top_p_keeps_smallest_set_reaching_p() -> None:
     assert kept(0.75) == [0, 1]  # 0.5 < 0.75, 0.8 >= 0.75
     assert kept(0.85) == [0, 1, 2]
     assert kept(1.0) == [0, 1, 2, 3]
+    # the boundary: a set whose mass equals p exactly is enough (dyadic probabilities 1/2, 1/4, 1/8,
+    # 1/8: softmax and the running sums are exact in float32, checked here)
+    dyadic = torch.tensor([[0.0, -1.0, -2.0, -2.0]]) * math.log(2)
+    assert torch.equal(torch.softmax(dyadic, -1), torch.tensor([[0.5, 0.25, 0.125, 0.125]]))
+    assert (~filter_top_p(dyadic, 0.75).isinf()).nonzero()[:, 1].tolist() == [0, 1]
     # unsorted input: the filter follows probability, not position
     perm = torch.tensor([2, 0, 3, 1])
     assert (~filter_top_p(logits[:, perm], 0.75).isinf()).nonzero()[:, 1].tolist() == [1, 3]
@@ -71,6 +78,21 @@ def test_top_k_and_repetition_penalty() -> None:
     seen = torch.tensor([[True, True, False, False]])
     # positive seen logits divided, negative seen multiplied, unseen untouched
     assert apply_repetition_penalty(logits, seen, 2.0).tolist() == [[1.0, -2.0, 3.0, 0.5]]
+
+
+def test_repetition_penalty_covers_the_prompt() -> None:
+    # the first generated token is already penalised for the prompt's tokens
+    model = small_model()
+    changed = 0
+    for p in PROMPTS:
+        with torch.no_grad():
+            logits = model(torch.tensor([p])).logits[0, -1]
+        seen = torch.zeros(1, 64, dtype=torch.bool)
+        seen[0, p] = True
+        expected = int(apply_repetition_penalty(logits.unsqueeze(0), seen, 4.0).argmax())
+        assert generate(model, [p], 1, temperature=0, repetition_penalty=4.0).tokens == [[expected]]
+        changed += expected != int(logits.argmax())
+    assert changed, "the penalty changed no pick: the test would not see a missing prompt penalty"
 
 
 def test_stop_sequences_cut_and_never_streamed() -> None:

@@ -15,8 +15,9 @@ the model asks nothing else of it.
 of them are real tokens (`valid_BC`), from which it builds the attention mask of each call. Batches
 of prompts of different lengths are left-padded: every sequence ends at the same column, so a decode
 step writes column `length` for all of them. A padding key is masked out of every real query; a
-padding query attends to itself only (a row with every key masked would give softmax over nothing,
-NaN, which a later layer would carry into places that assume finite values). Padding rows still go
+padding query attends to itself only, so that no row of the mask is entirely False (softmax over
+nothing: torch 2.13's CPU kernels define it as a zero row, measured, but older versions and other
+backends gave NaN, which a padding row would then carry into the MoE router). Padding rows still go
 through the MoE layers: routing is per token, so they change no real token's result.
 """
 
@@ -79,7 +80,7 @@ class KVCache:
         q_S1 = torch.arange(start, end, device=self.valid_BC.device).unsqueeze(1)
         k_1L = torch.arange(end, device=self.valid_BC.device).unsqueeze(0)
         mask_BSL = (k_1L <= q_S1) & self.valid_BC[:, None, :end]
-        mask_BSL = mask_BSL | (k_1L == q_S1)  # a padding query sees itself (see the module docstring)
+        mask_BSL = mask_BSL | (k_1L == q_S1)  # a padding query sees itself (module docstring)
         self.length = end
         return mask_BSL.unsqueeze(1)
 
