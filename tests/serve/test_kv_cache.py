@@ -102,3 +102,20 @@ def test_cache_refuses_overflow() -> None:
         model(torch.zeros(1, 3, dtype=torch.long), cache=cache)
         with pytest.raises(ValueError, match="capacity 4"):
             model(torch.zeros(1, 2, dtype=torch.long), cache=cache)
+
+
+def test_decode_step_and_sampling_read_nothing_on_the_host() -> None:
+    # what a CUDA decode loop must not wait for: the cached forward (mask, rotary gather, cache
+    # writes, the MoE gather path) and the sampler; generate() reads tokens only to stream or stop
+    from dropless.serve.sampling import Sampling, sample_next
+    from host_sync import forbid_host_sync
+
+    model = small_model()
+    cache = KVCache.for_model(model, 2, 8)
+    tokens, valid, pos, _ = left_pad([torch.tensor([1, 2, 3]), torch.tensor([4])])
+    with torch.no_grad():
+        model(tokens, positions_BS=pos, cache=cache, valid_BS=valid)
+        seen = torch.zeros(2, 64, dtype=torch.bool)
+        with forbid_host_sync("host read in a decode step"):
+            out = model(torch.tensor([[5], [6]]), positions_BS=torch.tensor([[3], [1]]), cache=cache)
+            sample_next(out.logits[:, -1], seen, Sampling(0.8, 10, 0.9, 1.3), torch.Generator().manual_seed(0))

@@ -198,7 +198,7 @@ def generate(model: MoEModel, prompts: list[list[int]], max_new_tokens: int, *, 
                 routing[b].append(ids[b])
 
     # inference mode, not just no_grad: ~10% off a decode step of the default model on CPU (no
-    # version counters or view tracking); its tensors never leave this function (see the clone below)
+    # version counters or view tracking); its tensors never leave this function (routing: see below)
     with torch.inference_mode(), autocast(dev, dtype):
         if max_new_tokens or record_routing:
             logits_BV, ids = runner.prefill()
@@ -237,9 +237,9 @@ def generate(model: MoEModel, prompts: list[list[int]], max_new_tokens: int, *, 
         for b in range(B):
             per_layer = [torch.cat([f[i] for f in routing[b]]) for i in range(len(model.moe_layers()))]
             n_tok = len(prompts[b]) + len(tokens[b])
-            # clone() outside inference mode: a normal tensor, which a training forward may save
-            # for backward (replayed ids index the router's scores)
-            result.routing.append(torch.stack(per_layer)[:, :n_tok].cpu().clone() if per_layer
+            # stacked outside inference mode: a normal tensor, which a training forward may save for
+            # backward (replayed ids index the router's scores)
+            result.routing.append(torch.stack(per_layer)[:, :n_tok].cpu() if per_layer
                                   else torch.zeros(0, n_tok, 0, dtype=torch.long))
     return result
 
