@@ -1,4 +1,4 @@
-"""The decode-time gather path (layers/decode_experts.py) against the grouped path of the same layer:
+"""The decode-time expert path (layers/decode_experts.py) against the grouped path of the same layer:
 outputs, statistics and every gradient, on the shapes that break it; and when the layer takes it."""
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ CASES = {
     "batch": dict(T=6, d=16, E=8, K=2, f=12),
     # k=1: one pair per token, the sum over K is a copy
     "k1": dict(T=5, d=16, E=6, K=1, f=8),
-    # k=E: every token meets every expert (the gather copies each expert T times)
+    # k=E: every token meets every expert (each expert's rows are read T times)
     "k_eq_E": dict(T=4, d=16, E=4, K=4, f=8),
-    # odd widths: the grouped path pads d and f to 16-byte strides, the gather path never does
+    # odd widths: the grouped path pads d and f to 16-byte strides, the decode path never does
     "odd_widths": dict(T=5, d=13, E=5, K=2, f=7),
-    # every token on the same expert (forced by the bias below): one expert's weights gathered T
+    # every token on the same expert (forced by the bias below): one expert's rows read T
     # times, its gradient the sum over all of them
     "one_expert_for_all": dict(T=7, d=16, E=6, K=1, f=8, hot=3),
 }
@@ -54,10 +54,10 @@ def run(layer: MoELayer, x: torch.Tensor, max_tokens: int) -> tuple:
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 @pytest.mark.parametrize("activation", ["swiglu", "relu2"])
-def test_gather_path_matches_grouped(case: str, activation: str) -> None:
+def test_decode_path_matches_grouped(case: str, activation: str) -> None:
     layer, x = build(**CASES[case], activation=activation)
     big = x.shape[0]
-    out_g, grads_g = run(layer, x, big)  # every call here takes the gather path
+    out_g, grads_g = run(layer, x, big)  # every call here takes the decode path
     out_r, grads_r = run(layer, x, 0)  # never: the grouped path
     if case == "one_expert_for_all":
         assert bool((out_r.ids_TK == 3).all())
@@ -70,15 +70,15 @@ def test_gather_path_matches_grouped(case: str, activation: str) -> None:
         assert_close(grads_g[name], grads_r[name], msg=f"grad {name}")
 
 
-def test_gather_path_is_taken_only_where_it_applies() -> None:
+def test_decode_path_is_taken_only_where_it_applies() -> None:
     taken = []
-    real = decode_experts.gathered_experts
+    real = decode_experts.row_sum_experts
 
     def spy(*a, **k):
         taken.append(True)
         return real(*a, **k)
 
-    decode_experts.gathered_experts = spy
+    decode_experts.row_sum_experts = spy
     try:
         layer, x = build(T=3, d=16, E=4, K=2, f=8)
         layer.decode_max_tokens = 3
@@ -102,15 +102,15 @@ def test_gather_path_is_taken_only_where_it_applies() -> None:
             other(torch.randn(3, 32))
         assert len(taken) == 2
     finally:
-        decode_experts.gathered_experts = real
+        decode_experts.row_sum_experts = real
 
 
 def test_autocast_keeps_the_grouped_path() -> None:
-    # under autocast the grouped path casts every expert matrix to bf16; the gather path would have
+    # under autocast the grouped path casts every expert matrix to bf16; the decode path would have
     # to do the same to give the same numbers, so it steps aside
     taken = []
-    real = decode_experts.gathered_experts
-    decode_experts.gathered_experts = lambda *a, **k: taken.append(True) or real(*a, **k)
+    real = decode_experts.row_sum_experts
+    decode_experts.row_sum_experts = lambda *a, **k: taken.append(True) or real(*a, **k)
     try:
         layer, x = build(T=2, d=16, E=8, K=2, f=12)
         layer.decode_max_tokens = 8
@@ -120,7 +120,7 @@ def test_autocast_keeps_the_grouped_path() -> None:
         layer(x)
         assert taken == [True]
     finally:
-        decode_experts.gathered_experts = real
+        decode_experts.row_sum_experts = real
 
 
 def test_config_fields_untouched() -> None:

@@ -203,7 +203,7 @@ COMPILED = (1e-2, 1e-2)
 # KV-cache decoding against the full forward, fp32 logits of a small model (tests/serve): the same
 # arithmetic on other batch shapes. The cached path runs the GEMMs on B*P (prefill) or B (decode)
 # rows instead of one sequence's S, attention as a masked SDPA over the L cached keys instead of a
-# causal one over S, and the MoE experts at decode through the gather path (layers/decode_experts.py)
+# causal one over S, and the MoE experts at decode through the decode path (layers/decode_experts.py)
 # instead of grouped_mm; the BLAS rounds each differently (docs/numerics.md), and the differences
 # pass through every layer to the logits. Measured worst |error| 6.9e-6 on logits up to 10.3 (ulp
 # 9.5e-7: about 7 ulps of the largest logit) over 6 seeds, under the default, AVX2 and AVX512 kernel

@@ -26,7 +26,7 @@ Each step includes the greedy pick (argmax on the device) and no host read: samp
 same for both and `generate` reads the tokens on the host only when it streams or checks stops.
 
 MoE paths (layers/decode_experts.py): the same decode step at context 128 for each batch size in
---path-batches, with every MoE layer forced to the grouped path and to the gather path, in turns;
+--path-batches, with every MoE layer forced to the grouped path and to the decode path, in turns;
 `auto` is what the layer picks by itself for that token count on this device.
 """
 
@@ -139,13 +139,13 @@ def run(model: MoEModel, contexts: list[int], B: int, path_batches: list[int], r
         for b in path_batches:
             step = _step_fns(model, b, PATH_CONTEXT, device)["decode_cache"]
             variants = {}
-            for name, max_tokens in (("grouped", 0), ("gather", b)):
+            for name, max_tokens in (("grouped", 0), ("decode", b)):
                 set_ = _set_path(model, max_tokens)
                 variants[name] = (lambda s=set_: (s(), step()))
             ms = {k: v / RUN for k, v in interleaved(variants, repeats, warmup=1, device=device).items()}
-            auto = "gather" if b <= decode_experts.default_max_tokens(device) else "grouped"
+            auto = "decode" if b <= decode_experts.default_max_tokens(device) else "grouped"
             paths.append({"batch": b, "context": PATH_CONTEXT, "grouped_ms": ms["grouped"],
-                          "gather_ms": ms["gather"], "gather_speedup": ms["grouped"] / ms["gather"],
+                          "decode_ms": ms["decode"], "decode_speedup": ms["grouped"] / ms["decode"],
                           "auto": auto})
             bar.update()
         _set_path(model, None)()
@@ -196,7 +196,7 @@ def main(argv: list[str]) -> int:
     print(format_table(rows, ["context", "batch", "prefill_tok_s", "decode_cache_tok_s",
                               "decode_nocache_tok_s", "decode_cache_ms", "decode_nocache_ms", "speedup"]))
     print(f"\nMoE path of a decode step (context {PATH_CONTEXT}), ms per step:")
-    print(format_table(paths, ["batch", "grouped_ms", "gather_ms", "gather_speedup", "auto"]))
+    print(format_table(paths, ["batch", "grouped_ms", "decode_ms", "decode_speedup", "auto"]))
     if args.json:
         tmp = Path(args.json).with_name(Path(args.json).name + ".tmp")
         tmp.write_text(json.dumps({"header": head, "contexts": rows, "moe_paths": paths,

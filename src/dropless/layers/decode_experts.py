@@ -46,7 +46,7 @@ from .dispatch import DispatchMeta, LocalDispatcher
 from .experts import GroupedExperts
 from .router import RoutingDecision
 
-# Calls of at most this many tokens take the gather path, per device type (measured with
+# Calls of at most this many tokens take the decode path, per device type (measured with
 # `dropless bench generate`'s MoE path table and the layer alone at the default preset's shapes,
 # D = F = 256, E = 8, K = 2; figures in docs/serving.md "## Generation"). CPU (one thread, whole
 # layer): 0.67 vs 0.95 ms at T = 1, 0.92 vs 1.15 at T = 4, even at T = 8, slower from T = 16 (1.64 vs
@@ -58,7 +58,7 @@ def default_max_tokens(device: torch.device) -> int:
     return DECODE_MAX_TOKENS.get(device.type, 0)
 
 
-def gathered_experts(x_TD: torch.Tensor, decision: RoutingDecision, experts: GroupedExperts) -> torch.Tensor:
+def row_sum_experts(x_TD: torch.Tensor, decision: RoutingDecision, experts: GroupedExperts) -> torch.Tensor:
     """The routed experts' weighted sum per token, y_TD, as two weighted row-gather sums."""
     T, K = decision.ids_TK.shape
     w1_ED_W, w2_EFD = experts.w_gate_up_EDF, experts.w_down_EFD
@@ -89,7 +89,7 @@ def gathered_experts(x_TD: torch.Tensor, decision: RoutingDecision, experts: Gro
 
 def applies(experts: GroupedExperts, dispatcher: object, decision: RoutingDecision, n_tokens: int,
             max_tokens: int | None, detailed_stats: bool) -> bool:
-    """Whether a layer call takes the gather path (host-side facts only: no device read).
+    """Whether a layer call takes the decode path (host-side facts only: no device read).
     `max_tokens` None: `DECODE_MAX_TOKENS` of the device."""
     dev = decision.ids_TK.device
     if max_tokens is None:

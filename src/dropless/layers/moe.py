@@ -112,7 +112,7 @@ class MoELayer(nn.Module):
         # (and its EP twin, distributed.ep.build_ep_dispatcher) honours it
         self.dispatcher: Dispatcher = dispatcher or build_dispatcher(cfg, self.experts)
         self.detailed_stats = False  # set by the trainer on log steps
-        # calls of at most this many tokens take the gather path (decode_experts.py; 0 = never,
+        # calls of at most this many tokens take the decode path (decode_experts.py; 0 = never,
         # None = the measured default of the device)
         self.decode_max_tokens: int | None = None
 
@@ -126,7 +126,7 @@ class MoELayer(nn.Module):
         decision = self.router(x_TD, replay_TK, token_ids)
         if decode_experts.applies(self.experts, self.dispatcher, decision, x_TD.shape[0],
                                   self.decode_max_tokens, self.detailed_stats):
-            y_TD = decode_experts.gathered_experts(x_TD, decision, self.experts)
+            y_TD = decode_experts.row_sum_experts(x_TD, decision, self.experts)
             batch, meta, y_RD = None, decode_experts.no_drop_meta(decision, self.cfg.num_experts), None
         else:
             batch, meta = self.dispatcher.dispatch(x_TD, decision)
