@@ -69,10 +69,17 @@ class Attention(nn.Module):
         """`kv`: this layer's cache (the new keys are appended, all cached ones attended);
         `mask_B1SL`: bool, True = attend (replaces the plain causal mask)."""
         B, S, D = x_BSD.shape
-        q, k, v = self.qkv(x_BSD).view(B, S, 3, self.n_heads, D // self.n_heads).unbind(2)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # -> B H S Dh
-        q, k = apply_rotary(q, cos_SF, sin_SF), apply_rotary(k, cos_SF, sin_SF)
-        if kv is not None:
+        H = self.n_heads
+        if kv is None:
+            q, k, v = self.qkv(x_BSD).view(B, S, 3, H, D // H).unbind(2)
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # -> B H S Dh
+            q, k = apply_rotary(q, cos_SF, sin_SF), apply_rotary(k, cos_SF, sin_SF)
+        else:
+            # decoding: q and k rotated in one call (elementwise: the same numbers as two calls),
+            # fewer small ops in a step that is mostly per-op overhead
+            qkv_B3HSDh = self.qkv(x_BSD).view(B, S, 3 * H, D // H).transpose(1, 2)
+            qk = apply_rotary(qkv_B3HSDh[:, :2 * H], cos_SF, sin_SF)
+            q, k, v = qk[:, :H], qk[:, H:], qkv_B3HSDh[:, 2 * H:]
             k, v = kv.append(k, v)  # -> B H L Dh
         if mask_B1SL is None:
             y_BHSDh = F.scaled_dot_product_attention(q, k, v, is_causal=True)
