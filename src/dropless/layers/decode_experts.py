@@ -50,7 +50,10 @@ from .router import RoutingDecision
 # `dropless bench generate`'s MoE path table and the layer alone at the default preset's shapes,
 # D = F = 256, E = 8, K = 2; figures in docs/serving.md "## Generation"). CPU (one thread, whole
 # layer): 0.67 vs 0.95 ms at T = 1, 0.92 vs 1.15 at T = 4, even at T = 8, slower from T = 16 (1.64 vs
-# 1.41): the bags walk D rows per pair where the GEMMs reuse each weight across rows.
+# 1.41): the bags walk D rows per pair where the GEMMs reuse each weight across rows. CUDA: 16 is
+# a guess, not measured (no GPU here): the grouped path's dozen-odd kernel launches per layer should
+# dominate at batch-size token counts; `dropless bench generate --device cuda` prints the table to
+# set it from.
 DECODE_MAX_TOKENS = {"cpu": 4, "cuda": 16}
 
 
@@ -95,7 +98,7 @@ def applies(experts: GroupedExperts, dispatcher: object, decision: RoutingDecisi
     if max_tokens is None:
         max_tokens = default_max_tokens(dev)
     autocast = torch.amp.is_autocast_available(dev.type) and torch.is_autocast_enabled(dev.type)
-    return (n_tokens <= max_tokens and not autocast and decision.valid_TK is None and not detailed_stats
+    return (0 < n_tokens <= max_tokens and not autocast and decision.valid_TK is None and not detailed_stats
             and experts.precision == quant_gemm.FULL_PRECISION
             and type(dispatcher) is LocalDispatcher and dispatcher.capacity_factor is None)
 
