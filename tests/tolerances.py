@@ -207,6 +207,7 @@ COMPILED = (1e-2, 1e-2)
 # instead of grouped_mm; the BLAS rounds each differently (docs/numerics.md), and the differences
 # pass through every layer to the logits. Measured worst |error| 6.9e-6 on logits up to 10.3 (ulp
 # 9.5e-7: about 7 ulps of the largest logit) over 6 seeds, under the default, AVX2 and AVX512 kernel
-# paths. atol 3e-5 (~4x that, in logit units: a small logit is a sum of large terms and inherits their
+# paths. Also used for the same left-padded batch with other padding ids (the padding rows route
+# elsewhere, so the real rows fall in other expert groups of the grouped GEMM). atol 3e-5 (~4x that, in logit units: a small logit is a sum of large terms and inherits their
 # rounding) plus rtol 1e-5. A wrong mask, position or cache slot moves logits by 1e-2 or more.
 KV_DECODE = Tol(1e-5, 3e-5)

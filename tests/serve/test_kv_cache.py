@@ -65,8 +65,11 @@ def test_cached_logits_match_full_forward(lens: list[tuple[int, int]]) -> None:
 
 
 def test_padding_cannot_reach_real_tokens() -> None:
-    # the same batch with other padding ids gives the same real-token logits, bit for bit (the same
-    # shapes and kernels run; only masked keys changed)
+    # the same batch with other padding ids gives the same real-token logits. Not bit for bit: the
+    # padding rows route to other experts, so the real rows sit in other expert groups of the grouped
+    # GEMM, which the BLAS rounds differently on some kernel paths (measured under
+    # MKL_ENABLE_INSTRUCTIONS=AVX2; docs/numerics.md): the KV_DECODE noise floor. A padding key that
+    # reached a real query moves its logits by orders of magnitude more.
     model = small_model()
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 62, (n,), generator=g) for n in (9, 2, 5)]
@@ -78,7 +81,7 @@ def test_padding_cannot_reach_real_tokens() -> None:
             outs.append(model(t, positions_BS=pos, valid_BS=valid,
                               cache=KVCache.for_model(model, 3, tokens.shape[1])).logits)
     assert torch.isfinite(outs[0]).all()  # padding queries see themselves: no NaN anywhere
-    assert torch.equal(outs[0][valid], outs[1][valid])
+    assert_close(outs[0][valid], outs[1][valid], KV_DECODE, msg="real tokens")
     assert not torch.equal(outs[0][~valid], outs[1][~valid])  # the padding rows themselves did change
 
 
