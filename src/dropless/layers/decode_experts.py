@@ -48,13 +48,13 @@ from .router import RoutingDecision
 
 # Calls of at most this many tokens take the decode path, per device type (measured with
 # `dropless bench generate`'s MoE path table and the layer alone at the default preset's shapes,
-# D = F = 256, E = 8, K = 2; figures in docs/serving.md "## Generation"). CPU (one thread, whole
-# layer): 0.67 vs 0.95 ms at T = 1, 0.92 vs 1.15 at T = 4, even at T = 8, slower from T = 16 (1.64 vs
-# 1.41): the bags walk D rows per pair where the GEMMs reuse each weight across rows. CUDA: 16 is
-# a guess, not measured (no GPU here): the grouped path's dozen-odd kernel launches per layer should
-# dominate at batch-size token counts; `dropless bench generate --device cuda` prints the table to
-# set it from.
-DECODE_MAX_TOKENS = {"cpu": 4, "cuda": 16}
+# D = F = 256, E = 8, K = 2; figures in docs/serving.md "## Generation"). CPU, one thread, the layer
+# alone, grouped vs decode: 0.57 vs 0.41 ms at T = 1, 0.77 vs 0.67 at T = 4, 0.98 vs 0.90 at T = 8,
+# 1.04 vs 1.26 at T = 16: the bags walk D rows per pair where the GEMMs reuse each weight across
+# rows. CUDA: 16 is a guess, not measured (no GPU here): the grouped path's dozen-odd kernel launches
+# per layer should dominate at batch-size token counts; `dropless bench generate --device cuda`
+# prints the table to set it from.
+DECODE_MAX_TOKENS = {"cpu": 8, "cuda": 16}
 
 
 def default_max_tokens(device: torch.device) -> int:
