@@ -86,21 +86,26 @@ def test_decode_path_is_taken_only_where_it_applies() -> None:
         assert taken == [True]
         layer(torch.randn(4, 16))  # one token past the threshold
         assert taken == [True]
-        layer.decode_max_tokens = None  # the device default
+        layer.decode_max_tokens = None  # the device default, without autograd only
         cpu_max = decode_experts.DECODE_MAX_TOKENS["cpu"]
-        layer(torch.randn(cpu_max, 16))
-        layer(torch.randn(cpu_max + 1, 16))
-        assert taken == [True, True]
+        layer(torch.randn(cpu_max, 16))  # autograd on: a training call stays on the grouped path
+        assert taken == [True]
+        with torch.no_grad():
+            layer(torch.randn(cpu_max, 16))
+            layer(torch.randn(cpu_max + 1, 16))
+        with torch.inference_mode():
+            layer(torch.randn(1, 16))
+        assert taken == [True, True, True]
         layer.decode_max_tokens = 8
         layer.detailed_stats = True  # the health monitor reads expert-ordered rows: grouped path
-        assert layer(x).stats.out_sq_E is not None and len(taken) == 2
+        assert layer(x).stats.out_sq_E is not None and len(taken) == 3
         layer.detailed_stats = False
         for kw in (dict(capacity_factor=2.0), dict(precision="mxfp8"),
                    dict(router=RouterConfig(strategy="expert_choice", score_func="sigmoid"))):
             other, _ = build(T=3, d=32, E=4, K=2, f=32, **kw)
             other.decode_max_tokens = 8
             other(torch.randn(3, 32))
-        assert len(taken) == 2
+        assert len(taken) == 3
     finally:
         decode_experts.row_sum_experts = real
 

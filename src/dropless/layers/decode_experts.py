@@ -93,10 +93,14 @@ def row_sum_experts(x_TD: torch.Tensor, decision: RoutingDecision, experts: Grou
 def applies(experts: GroupedExperts, dispatcher: object, decision: RoutingDecision, n_tokens: int,
             max_tokens: int | None, detailed_stats: bool) -> bool:
     """Whether a layer call takes the decode path (host-side facts only: no device read).
-    `max_tokens` None: `DECODE_MAX_TOKENS` of the device."""
+    `max_tokens` None (the automatic choice): `DECODE_MAX_TOKENS` of the device, and only without
+    autograd. Training never runs batch-size token counts, and this keeps every training call and
+    every parity test of the layer (expert parallel against one process, ...) on the grouped path
+    whatever its token count; a set `max_tokens` is honoured with autograd too (the tests compare
+    the two paths' gradients)."""
     dev = decision.ids_TK.device
     if max_tokens is None:
-        max_tokens = default_max_tokens(dev)
+        max_tokens = default_max_tokens(dev) if not torch.is_grad_enabled() else 0
     autocast = torch.amp.is_autocast_available(dev.type) and torch.is_autocast_enabled(dev.type)
     return (0 < n_tokens <= max_tokens and not autocast and decision.valid_TK is None and not detailed_stats
             and experts.precision == quant_gemm.FULL_PRECISION

@@ -113,7 +113,7 @@ class MoELayer(nn.Module):
         self.dispatcher: Dispatcher = dispatcher or build_dispatcher(cfg, self.experts)
         self.detailed_stats = False  # set by the trainer on log steps
         # calls of at most this many tokens take the decode path (decode_experts.py; 0 = never,
-        # None = the measured default of the device)
+        # None = the measured default of the device, without autograd only)
         self.decode_max_tokens: int | None = None
 
     def forward(self, x: torch.Tensor, replay_ids: torch.Tensor | None = None,
