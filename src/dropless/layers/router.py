@@ -30,6 +30,7 @@ from torch import nn
 
 from ..config import RouterConfig
 from ..ops import routing
+from ..ops.autocast import autocast_available
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class Router(nn.Module):
 
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
         dev = x_TD.device.type  # "meta" has no autocast to turn off
-        off = torch.autocast(dev, enabled=False) if torch.amp.is_autocast_available(dev) else nullcontext()
+        off = torch.autocast(dev, enabled=False) if autocast_available(dev) else nullcontext()
         with off:
             return torch.nn.functional.linear(x_TD.float(), self.weight.float())
 
