@@ -127,3 +127,20 @@ def test_a_resumed_replay_run_continues_where_the_uninterrupted_run_was(tmp_path
     Trainer(tiny(*extra), broken, resume=True).fit()
     assert rows(full, "loss") == rows(broken, "loss")
     assert (full / "routing.jsonl").read_text() == (broken / "routing.jsonl").read_text()
+
+
+def test_rl_loop_resumes_a_trained_run_on_a_new_record(tmp_path: Path, capsys) -> None:
+    """The RL workflow: a run trained (here on its data split) to step 4 continues on a rollout's
+    record with `--resume --replay-routing`; the record starts at the resumed step."""
+    run = tmp_path / "run"
+    Trainer(tiny(*CFG, "train.steps=4", "train.ckpt_every=4"), run).fit()
+    expert_01_record(tmp_path / "r.rec")
+    sets = [a for s in TINY + CFG for a in ("--set", s)]
+    assert train_main([*sets, "--run-dir", str(run), "--resume", "--replay-routing", str(tmp_path / "r.rec"),
+                       "--set", "train.steps=6"]) == 0
+    out = capsys.readouterr().out
+    assert "it starts at step 4 from its first sequence" in out
+    routing = [json.loads(line) for line in (run / "routing.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in routing] == [0, 1, 2, 3, 4, 5]
+    assert all(layer["counts"][2:] != [0, 0] for r in routing[:4] for layer in r["layers"])
+    assert all(layer["counts"][2:] == [0, 0] for r in routing[4:] for layer in r["layers"])
