@@ -1,7 +1,8 @@
 """The training loop: one process, gradient accumulation, autocast, evaluation, checkpoints.
 
 Per optimizer step: `grad_accum` micro-batches (each `batch_size` x `seq_len` tokens, a pure function
-of (seed, step, micro-step), so a resumed run sees the same batches), forward under autocast with fp32
+of (seed, step, micro-step), so a resumed run sees the same batches; with `data.replay_routing`, a
+routing record's sequences with their expert ids, replay_data.py), forward under autocast with fp32
 master weights, backward of loss / grad_accum, global-norm clipping, AdamW, the learning rate from the
 schedule. The MoE layers' statistics stay on the device and are summed over the step; the host reads
 them (one sync) every `log.log_every` steps, together with the loss. A step whose loss or gradient
@@ -128,9 +129,8 @@ class Trainer:
         self.nonfinite = NonFiniteGuard(t.max_nonfinite_steps, reduce, device=self.model.embed.weight.device)
         self.start_step = 0
         # routing replay: the record's sequences and expert ids replace the data split's batches
-        self.replay = ReplayData(cfg.data.replay_routing, cfg, self.device) if cfg.data.replay_routing else None
-        if self.replay is not None:
-            self.replay.micro_per_step = t.grad_accum * self.world_size
+        self.replay = (ReplayData(cfg.data.replay_routing, cfg, self.device, t.grad_accum * self.world_size)
+                       if cfg.data.replay_routing else None)
         probe = next(iter(eval_batches(self.val_tokens, min(4, t.batch_size), t.seq_len, 1,
                                        device=self.device)))[0]
         if resume and ckpt.latest_checkpoint(self.run_dir) is None:

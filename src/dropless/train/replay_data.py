@@ -51,7 +51,8 @@ IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
 
 
 class ReplayData:
-    def __init__(self, path: str | Path, cfg: RunConfig, device: torch.device) -> None:
+    def __init__(self, path: str | Path, cfg: RunConfig, device: torch.device, micro_per_step: int = 0) -> None:
+        """`micro_per_step`: micro-batches per optimizer step over all processes (A * W; default A)."""
         strategy = cfg.model.moe.router.strategy
         if strategy in VARIABLE_COUNT_STRATEGIES:
             raise ValueError(f"model.moe.router.strategy={strategy!r}: routing replay imposes K experts "
@@ -78,7 +79,7 @@ class ReplayData:
             raise ValueError(f"data.replay_routing={path}: a sequence of {longest} inputs exceeds "
                              f"model.max_seq_len={cfg.model.max_seq_len}")
         self.start_step = 0
-        self.micro_per_step = cfg.train.grad_accum  # times the world size: set by the trainer
+        self.micro_per_step = micro_per_step or cfg.train.grad_accum
 
     def describe(self) -> str:
         skipped = f", {self.dropped} without a target skipped" if self.dropped else ""
