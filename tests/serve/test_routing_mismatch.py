@@ -94,3 +94,5 @@ def test_cli_prints_a_table_writes_json_and_refuses_without_writing(tmp_path, ca
     assert main([str(tmp_path / "a.rec"), str(tmp_path / "c.rec"), "--json", str(tmp_path / "n.json")]) == 2
     assert "different tokens" in capsys.readouterr().err
     assert not (tmp_path / "n.json").exists()
+    assert main([str(tmp_path / "a.rec"), str(tmp_path / "b.rec"), "--json", str(tmp_path / "no" / "m.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     args = p.parse_args(argv)
     try:
+        if args.json and not Path(args.json).parent.is_dir():
+            raise FileNotFoundError(f"--json {args.json}: folder {Path(args.json).parent} does not exist")
         result = routing_mismatch(RoutingRecord.load(args.a), RoutingRecord.load(args.b))
     except (ValueError, FileNotFoundError) as err:
         print(f"dropless routing-mismatch: error: {err}", file=sys.stderr)

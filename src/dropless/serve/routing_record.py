@@ -96,8 +96,8 @@ class RoutingRecord:
         if K < 1 or self.num_experts < 1 or self.vocab_size < 1:
             raise ValueError(f"RoutingRecord: top_k={K}, num_experts={self.num_experts}, "
                              f"vocab_size={self.vocab_size}: must all be >= 1")
-        self.tokens = [torch.as_tensor(t).long().reshape(-1) for t in self.tokens]
-        self.ids = [torch.as_tensor(i).long() for i in self.ids]
+        self.tokens = [torch.as_tensor(t).long().cpu().reshape(-1) for t in self.tokens]
+        self.ids = [torch.as_tensor(i).long().cpu() for i in self.ids]
         for n, (tok_S, ids_LRK) in enumerate(zip(self.tokens, self.ids)):
             if ids_LRK.dim() != 3 or ids_LRK.shape[0] != L or ids_LRK.shape[2] != K:
                 raise ValueError(f"sequence {n}: ids of shape {tuple(ids_LRK.shape)}, expected "
