@@ -15,6 +15,8 @@ COMMANDS = {
     "train": ("dropless.train.run", "train a model (see --help)"),
     "generate": ("dropless.train.generate", "sample text from a trained run"),
     "diagnose": ("dropless.monitor.report", "routing-health report for a run directory"),
+    "record-routing": ("dropless.serve.record_routing", "record the full forward's routing of given tokens"),
+    "routing-mismatch": ("dropless.serve.mismatch", "compare two routing records of the same tokens"),
 }
 BENCHMARKS = {
     "layer": "dropless.bench.layer",
@@ -27,7 +29,7 @@ BENCHMARKS = {
 
 def usage() -> str:
     lines = ["usage: dropless COMMAND [options]", "", "commands:"]
-    lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [f"  {name:<17} {help_}" for name, (_, help_) in COMMANDS.items()]
     lines += [f"  bench NAME  benchmarks: {', '.join(BENCHMARKS)}"]
     return "\n".join(lines)
 

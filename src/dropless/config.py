@@ -396,6 +396,7 @@ class DataConfig:
     tokenizer_path: Optional[str] = None  # a local tokenizer.json for tokenizer="hf"
     val_fraction: float = 0.05
     max_bytes: int = 0  # cap on corpus bytes (0 = all)
+    replay_routing: str = ""  # a routing record to train on with its expert ids (train/replay_data.py)
 
     def __post_init__(self) -> None:
         _choice("data.tokenizer", self.tokenizer, TOKENIZERS)
