@@ -15,6 +15,7 @@ COMMANDS = {
     "train": ("dropless.train.run", "train a model (see --help)"),
     "generate": ("dropless.train.generate", "sample text from a trained run"),
     "diagnose": ("dropless.monitor.report", "routing-health report for a run directory"),
+    "quantize": ("dropless.serve.quantize", "store a run's routed experts in 4 bits (mxfp4 | nvfp4)"),
 }
 BENCHMARKS = {
     "layer": "dropless.bench.layer",
