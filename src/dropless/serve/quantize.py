@@ -34,6 +34,7 @@ from tqdm import tqdm
 from ..config import RunConfig
 from ..layers.packed_experts import PACKED_FORMATS, check_format, check_packable
 from ..model import MoEModel
+from ..train.data import eval_batches
 from . import packed
 from .evaluate import val_loss, val_tokens
 from .load import load_model, run_config
@@ -60,8 +61,6 @@ def _as_bf16(model: MoEModel) -> dict[str, int]:
 def distinct_experts(model: MoEModel, cfg: RunConfig, tokens: torch.Tensor) -> dict[int, list[float]]:
     """Per batch size B, per MoE layer: mean number of distinct experts chosen by B validation
     windows' tokens at the same position (what one decode step of B sequences reads)."""
-    from ..train.data import eval_batches
-
     x, _ = next(iter(eval_batches(tokens, cfg.train.batch_size, cfg.train.seq_len, 1)))
     with torch.no_grad():
         out = model(x)
