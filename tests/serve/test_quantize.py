@@ -151,4 +151,5 @@ def test_bad_inputs_fail_clearly_and_write_nothing(trained: Path, tmp_path: Path
     (tmp_path / "c").mkdir()
     assert cli.main(["quantize", str(trained), "--experts", "mxfp4", "--out", str(tmp_path / "c")]) == 0
     assert (tmp_path / "c" / "quantized" / "model.pt").is_file()
+    capsys.readouterr()
     fails([str(tmp_path / "c"), "--experts", "nvfp4", "--out", str(tmp_path / "d")], "already a packed run")
