@@ -136,6 +136,8 @@ def test_bad_inputs_fail_clearly_and_write_nothing(trained: Path, tmp_path: Path
     for fmt in FORMATS:
         fails([str(odd), "--experts", fmt, "--out", str(tmp_path / "a")], "model.moe.d_expert=40")
     fails([str(trained), "--out", str(tmp_path / "a")], "--experts is required")
+    dense = _state_pt_run(tmp_path / "dense_run", "model.n_dense_layers=2")
+    fails([str(dense), "--experts", "mxfp4", "--out", str(tmp_path / "a")], "no routed experts")
     # a failure in the middle of the write (here: the tensor file) leaves nothing either
     real_save = torch.save
 

@@ -147,6 +147,9 @@ def quantize_run(run_dir: str | Path, fmt: str, out: str | Path) -> Path:
     if packed.is_packed_run(run_dir):
         raise ValueError(f"RUN_DIR={str(run_dir)!r} is already a packed run; quantise the original run")
     cfg, path = run_config(run_dir)
+    if not cfg.model.n_moe_layers:
+        raise ValueError(f"model.n_dense_layers={cfg.model.n_dense_layers} = model.n_layers: the run has "
+                         "no routed experts to pack")
     check_packable(fmt, cfg.model.d_model, cfg.model.moe.d_expert)
     model, cfg = load_model(run_dir, "cpu")
     step = int(path.name.split("_")[-1])
