@@ -74,6 +74,8 @@ def test_quantize_load_evaluate_round_trip(trained: Path, tmp_path: Path, fmt: s
     x = torch.randint(0, 256, (3, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert_close(q(x).logits, ref(x).logits, REFERENCE[torch.float32], f"{fmt} logits")
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # how --report evaluates
+            assert_close(q(x).logits, ref(x).logits, REFERENCE[torch.bfloat16], f"{fmt} bf16 logits")
     # evaluate runs from the packed run: the loss agrees to the fp32 floor, and it is not the original's
     loss_q, loss_ref = val_loss(q, cfg, max_batches=1), val_loss(ref, cfg, max_batches=1)
     assert abs(loss_q - loss_ref) <= REFERENCE[torch.float32].rtol * abs(loss_ref)
