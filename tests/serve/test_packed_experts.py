@@ -64,7 +64,8 @@ def test_every_e2m1_code_is_stored_and_read_bit_exactly(fmt: str) -> None:
     assert packed.dtype == torch.uint8 and packed.shape == (2, 16, 3)
     expect = (codes[0::2] | (codes[1::2] << 4)).view(1, 16, 1).expand(2, 16, 3)
     assert torch.equal(packed, expect)
-    assert torch.equal(unpack_fp4(packed.transpose(1, 2)).transpose(1, 2), codes.view(1, 32, 1).expand(2, 32, 3))
+    unpacked = unpack_fp4(packed.transpose(1, 2)).transpose(1, 2)  # (E, X, Y) codes
+    assert torch.equal(unpacked, codes.view(1, 32, 1).expand(2, 32, 3))
     values = unpack_weight(packed, scales, tensor_scale, fmt)
     assert torch.equal(values, _fq_per_expert(w, fmt))
     if fmt == "mxfp4":  # a power-of-two scale: the values come back exactly

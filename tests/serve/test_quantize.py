@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from dropless.ops.quant import fake_quantize
 from dropless.serve import packed
 from dropless.serve.evaluate import val_loss
 from dropless.serve.load import load_model, run_config
+from dropless.serve.quantize import distinct_experts
 from dropless.train.checkpoint import save_checkpoint
 from dropless.train.loop import Trainer
 from tiny_run import tiny
@@ -106,6 +108,27 @@ def test_report_bytes_follow_from_the_shapes(trained: Path, tmp_path: Path, caps
         assert one == non_expert + L * K * expect[name] // E, name  # K experts per token at B = 1
     assert rows["original"]["val_loss_change"] == 0.0
     assert r["distinct_experts_per_layer"]["1"] == [2.0]  # K distinct experts for one token
+
+
+def test_distinct_experts_on_hand_made_routing() -> None:
+    # 4 sequences of 2 tokens, K=2 of E=4. Position 0: every sequence picks {0, 1}. Position 1:
+    # sequence i picks {i, i+1 mod 4}, and sequence 0's second slot is empty (valid False).
+    # B=1: 2 experts per token except that one token (1): 15/8. B=4: position 0 reads 2, position 1
+    # reads all 4: 3. The strategy's empty slot must not count, its id (1) notwithstanding.
+    cfg = tiny("train.batch_size=4", "train.seq_len=2")
+    ids = torch.zeros(4, 2, 2, dtype=torch.int64)
+    ids[:, 0] = torch.tensor([0, 1])
+    ids[:, 1, 0] = torch.arange(4)
+    ids[:, 1, 1] = (torch.arange(4) + 1) % 4
+    valid = torch.ones(4, 2, 2, dtype=torch.bool)
+    valid[0, 1, 1] = False
+
+    def model(x):
+        assert x.shape == (4, 2)
+        return SimpleNamespace(moe=[SimpleNamespace(ids_TK=ids.view(8, 2), valid_TK=valid.view(8, 2))])
+
+    got = distinct_experts(model, cfg, torch.arange(1000) % 256)
+    assert got == {1: [15 / 8], 4: [3.0]}
 
 
 def _state_pt_run(path: Path, *overrides: str) -> Path:

@@ -54,7 +54,8 @@ _WEIGHTS = ("gate_up", "down")
 def check_format(fmt: str) -> int:
     """The format's block size; ValueError for an unknown format."""
     if fmt not in PACKED_FORMATS:
-        raise ValueError(f"experts={fmt!r}: unknown 4-bit format; expected one of {', '.join(PACKED_FORMATS)}")
+        raise ValueError(f"experts={fmt!r}: unknown 4-bit format; expected one of "
+                         f"{', '.join(PACKED_FORMATS)}")
     return FORMATS[fmt][1]
 
 

@@ -65,16 +65,21 @@ def distinct_experts(model: MoEModel, cfg: RunConfig, tokens: torch.Tensor) -> d
     with torch.no_grad():
         out = model(x)
     n, S = x.shape
-    K = cfg.model.moe.top_k
     result: dict[int, list[float]] = {}
     for B in (b for b in BATCH_SIZES if b <= n):
         per_layer = []
         for m in out.moe:
-            ids_GBSK = m.ids_TK.view(n, S, K)[: n // B * B].view(n // B, B, S, K)
-            ids_GSX = ids_GBSK.permute(0, 2, 1, 3).reshape(n // B, S, B * K)
-            onehot = torch.zeros(n // B, S, cfg.model.moe.num_experts, dtype=torch.bool)
-            onehot.scatter_(-1, ids_GSX, True)
-            per_layer.append(float(onehot.sum(-1).float().mean()))
+            K = m.ids_TK.shape[-1]
+            valid_TK = (torch.ones_like(m.ids_TK, dtype=torch.int64) if m.valid_TK is None
+                        else m.valid_TK.long())  # variable-count strategies mark their empty slots
+
+            def by_step(t_TK: torch.Tensor) -> torch.Tensor:  # [n*S, K] -> [n/B, S, B*K]
+                t = t_TK.reshape(n, S, K)[: n // B * B].view(n // B, B, S, K)
+                return t.permute(0, 2, 1, 3).reshape(n // B, S, B * K)
+
+            hits_GSE = torch.zeros(n // B, S, cfg.model.moe.num_experts, dtype=torch.int64)
+            hits_GSE.scatter_add_(-1, by_step(m.ids_TK.long()), by_step(valid_TK))
+            per_layer.append(float((hits_GSE > 0).sum(-1).float().mean()))
         result[B] = per_layer
     return result
 
@@ -131,9 +136,9 @@ def format_report(r: dict[str, Any]) -> str:
         cells = [f"{row['read_per_token_rest_stored'][B] / mb:.3f} | "
                  f"{row['read_per_token_rest_bf16'][B] / mb:.3f}" for B in Bs]
         lines.append(f"{row['variant']:<10}" + "".join(f"{c:>20}" for c in cells))
-    lines.append("distinct experts per MoE layer per step (measured, layer mean | uniform routing): " + ", ".join(
-        f"B={B}: {sum(v) / len(v):.2f} | {r['distinct_experts_uniform'][B]:.2f}"
-        for B, v in r["distinct_experts_per_layer"].items()))
+    counts = ", ".join(f"B={B}: {sum(v) / len(v):.2f} | {r['distinct_experts_uniform'][B]:.2f}"
+                       for B, v in r["distinct_experts_per_layer"].items())
+    lines.append(f"distinct experts per MoE layer per step (measured, layer mean | uniform): {counts}")
     return "\n".join(lines)
 
 
