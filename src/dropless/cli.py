@@ -17,6 +17,7 @@ COMMANDS = {
     "diagnose": ("dropless.monitor.report", "routing-health report for a run directory"),
     "record-routing": ("dropless.serve.record_routing", "record the full forward's routing of given tokens"),
     "routing-mismatch": ("dropless.serve.mismatch", "compare two routing records of the same tokens"),
+    "quantize": ("dropless.serve.quantize", "store a run's routed experts in 4 bits (mxfp4 | nvfp4)"),
 }
 BENCHMARKS = {
     "layer": "dropless.bench.layer",
