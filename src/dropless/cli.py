@@ -1,4 +1,4 @@
-"""The `dropless` command: `dropless train | generate | bench NAME | diagnose`.
+"""The `dropless` command: `dropless train | generate | evaluate | bench NAME | diagnose`.
 
 Each subcommand lives in its own module and parses its own arguments, so `dropless bench layer -h`
 shows that benchmark's options and importing the CLI stays cheap.
@@ -15,6 +15,7 @@ COMMANDS = {
     "train": ("dropless.train.run", "train a model (see --help)"),
     "generate": ("dropless.train.generate", "sample text from a trained run"),
     "diagnose": ("dropless.monitor.report", "routing-health report for a run directory"),
+    "evaluate": ("dropless.serve.evaluate_cli", "validation loss of a run (fewer experts: --serve-top-k)"),
 }
 BENCHMARKS = {
     "layer": "dropless.bench.layer",
