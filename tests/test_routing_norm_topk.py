@@ -154,4 +154,6 @@ def test_config_accepts() -> None:
     # post-softmax needs no renormalize flag: it always normalises over the K2 logits
     MoEConfig(num_experts=8, top_k=1, router=RouterConfig(pre_softmax=False, renormalize=False, norm_top_k=2))
     MoEConfig(num_experts=8, top_k=8, router=RouterConfig(norm_top_k=8))
+    # an explicit norm_top_k=1 is the serving "kept" rule at one expert (weight 1), pre or post
     MoEConfig(num_experts=8, top_k=1, router=RouterConfig(norm_top_k=1))
+    MoEConfig(num_experts=8, top_k=1, router=RouterConfig(norm_top_k=1, pre_softmax=False))

@@ -104,10 +104,6 @@ def serving_top_k(model_cfg: ModelConfig, k1: int | None = None, k2: int | None 
         # post-softmax already normalises over the kept logits; renormalize is what the others need,
         # and an explicit norm_top_k=1 at K1 = 1 (plain top-1 keeps the raw probability instead)
         router = replace(r, renormalize=True, norm_top_k=1 if k1 == 1 else None)
-        if r.score_func == "softmax" and not r.pre_softmax and k1 == 1:
-            raise ValueError("--serve-top-k=1 (k1) with --serve-renorm=kept on a post-softmax model "
-                             "(model.moe.router.pre_softmax=false): the one kept weight is always 1; use "
-                             "--serve-renorm=mass")
     elif not normalises(model_cfg):
         if k2 is not None:
             raise ValueError(f"--serve-norm-top-k={k2} (k2): the model's weights are its raw "
