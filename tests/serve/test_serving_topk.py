@@ -1,17 +1,21 @@
 """Serving with fewer experts: the config map (serve/serving.py), a trained run loaded through it, and
-the MoE layer it builds against a per-token reference."""
+the MoE layer it builds against a per-token reference, and `dropless evaluate`."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
+from dropless import cli
 from dropless.config import ModelConfig, MoEConfig, RouterConfig
 from dropless.layers.moe import MoELayer
 from dropless.ops.activations import activation
+from dropless.serve import evaluate_cli
+from dropless.serve.evaluate import val_loss
 from dropless.serve.load import load_model
 from dropless.serve.serving import serving_map, serving_top_k, weight_denominator
 from dropless.train.loop import Trainer
@@ -141,3 +145,58 @@ def test_replay_refuses_a_k2_router() -> None:
     layer = MoELayer(32, MoEConfig(num_experts=8, top_k=2, d_expert=16, router=RouterConfig(norm_top_k=4)))
     with pytest.raises(ValueError, match=r"router.norm_top_k=4: routing replay"):
         layer(torch.randn(5, 32), replay_ids=torch.zeros(5, 2, dtype=torch.long))
+
+
+# ---------------------------------------------------------------------------------------------------
+# `dropless evaluate`
+
+
+def test_evaluate_one_setting(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Through the top-level CLI (the command is registered); the loss is serve.evaluate.val_loss of
+    the model loaded with the same serving map, to the bit."""
+    out = tmp_path / "one.json"
+    assert cli.main(["evaluate", "--run-dir", str(run_dir), "--serve-top-k", "1", "--serve-norm-top-k", "2",
+                     "--max-batches", "1", "--device", "cpu", "--json", str(out)]) == 0
+    assert "val_loss" in capsys.readouterr().out
+    (row,) = json.loads(out.read_text())["rows"]
+    model, cfg = load_model(run_dir, model_cfg=serving_map(1, 2))
+    assert (row["k1"], row["k2"], row["renorm"]) == (1, 2, "mass")
+    assert row["val_loss"] == val_loss(model, cfg, max_batches=1)
+    assert row["tokens"] == cfg.train.batch_size * cfg.train.seq_len
+
+
+def test_evaluate_sweep(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "sweep.json"
+    assert evaluate_cli.main(["--run-dir", str(run_dir), "--serve-sweep", "--max-batches", "1",
+                              "--device", "cpu", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    # top-2 of E=4: the trained k, then K1=1 with K2 in {1, 2, 4}; mass K2=1 is kept renormalisation
+    assert [(r["k1"], r["k2"], r["names"]) for r in rows] == [
+        (2, 2, ["trained"]), (1, 1, ["mass", "kept"]), (1, 2, ["mass"]), (1, 4, ["mass"])]
+    assert len([line for line in table.splitlines() if line.startswith("| ")]) == 1 + len(rows)
+    trained, cfg = load_model(run_dir)
+    assert rows[0]["val_loss"] == val_loss(trained, cfg, max_batches=1)
+    w = [r["weight_sum"] for r in rows]
+    assert w[0] == pytest.approx(1.0) and w[1] == pytest.approx(1.0) and 0 < w[3] < w[2] < 1
+    assert len({r["val_loss"] for r in rows}) == len(rows)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--serve-top-k", "9"], "--serve-top-k=9 (k1): exceeds model.moe.num_experts=4"),
+    (["--serve-top-k", "2", "--serve-norm-top-k", "1"], "--serve-norm-top-k=1 (k2): must be >= --serve-top-k=2"),
+    (["--serve-sweep", "--serve-top-k", "1"], "--serve-sweep: runs its own"),
+    (["--max-batches", "0"], "--max-batches=0: must be >= 1"),
+])
+def test_evaluate_bad_input(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture, argv: list[str],
+                            match: str) -> None:
+    out = tmp_path / "bad.json"
+    assert evaluate_cli.main(["--run-dir", str(run_dir), "--json", str(out)] + argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dropless evaluate: error: ") and match in err
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_evaluate_missing_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert evaluate_cli.main(["--run-dir", str(tmp_path / "nope")]) == 2
+    assert "dropless evaluate: error: no complete checkpoint" in capsys.readouterr().err
