@@ -94,7 +94,7 @@ class Router(nn.Module):
             if replay_ids_TK.shape != (T, self.top_k):
                 raise ValueError(f"replay_ids_TK shape {tuple(replay_ids_TK.shape)}: expected "
                                  f"({T}, {self.top_k})")
-            if c.norm_top_k not in (None, self.top_k):
+            if c.norm_top_k is not None:
                 # the denominator would be the mass of this router's own top norm_top_k, which the
                 # replayed choice does not say; refuse rather than silently renormalise by top_k
                 raise ValueError(f"router.norm_top_k={c.norm_top_k}: routing replay takes the weights "

@@ -91,7 +91,7 @@ def topk_route(
     `scores_TE` are the probabilities used by the aux loss and the monitor (softmax over all E for
     softmax routing, whatever `pre_softmax` says). `norm_top_k` (>= top_k; None = top_k): route the
     top `norm_top_k` and keep the first `top_k` slots, so the kept weights are normalised over the
-    top `norm_top_k` (module note). With norm_top_k in (None, top_k) this is the plain top-k.
+    top `norm_top_k` (module note). norm_top_k = top_k >= 2 is the plain top-k, bit for bit.
     """
     post_softmax = score_func == "softmax" and not pre_softmax
     scores_TE = score_fn(logits_TE, score_func)
