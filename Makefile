@@ -34,8 +34,9 @@ ISA_TESTS ?= tests/distributed/test_ep.py tests/distributed/test_ep_sums.py \
 	tests/test_permute.py tests/test_strategies.py tests/test_activations.py tests/test_balance.py \
 	tests/test_capacity_and_config.py tests/test_compile.py tests/test_bench_layer.py \
 	tests/ops/test_quant_gemm.py tests/train/test_training.py tests/train/test_resume.py \
-	tests/train/test_nonfinite.py tests/train/test_checkpoint.py tests/train/test_optim_lowp.py \
-	tests/serve/test_kv_cache.py tests/serve/test_generate.py tests/test_decode_experts.py
+	tests/train/test_nonfinite.py tests/train/test_checkpoint.py tests/train/test_optim_lowp.py
+ISA_TESTS += tests/serve/test_packed_experts.py tests/serve/test_quantize.py
+ISA_TESTS += tests/serve/test_kv_cache.py tests/serve/test_generate.py tests/test_decode_experts.py
 ISA_SETTINGS ?= AVX512 AVX2
 
 test-isa: $(STAMP)

@@ -18,6 +18,8 @@ cd "$(dirname "$0")/.."
 OUT_DIR="${1:-${OUT:-gpu_check_out}}"
 mkdir -p "$OUT_DIR"
 PY="${PYTHON:-python}"
+# stage time limits (seconds), overridable to fit a short lease
+T_TESTS="${T_TESTS:-300}"; T_TRAIN="${T_TRAIN:-300}"; T_BENCH="${T_BENCH:-240}"
 failed=0
 stage() { echo; echo "=== $1 ($(date +%T))"; }
 
@@ -36,7 +38,7 @@ for name in ("triton", "pytest", "setuptools", "tqdm", "transformers"):
 EOF
 
 stage "install (no torch reinstall)"
-if ! timeout 180 "$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$OUT_DIR/install.log" 2>&1; then
+if ! timeout 90 "$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$OUT_DIR/install.log" 2>&1; then
     echo "pip install failed (see install.log); using PYTHONPATH=src"
     export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 fi
@@ -44,7 +46,7 @@ fi
 
 stage "tests on cuda (+ meta-device and compile tests on this torch)"
 if "$PY" -c "import pytest" 2>/dev/null; then
-    timeout 300 "$PY" -m pytest -q -p no:cacheprovider -rfEs tests/test_cuda.py tests/test_meta_device.py \
+    timeout "$T_TESTS" "$PY" -m pytest -q -p no:cacheprovider -rfEs tests/test_cuda.py tests/test_meta_device.py \
         tests/test_compile.py --junitxml="$OUT_DIR/junit.xml" 2>&1 | tee "$OUT_DIR/tests.log" | tail -40
     [ "${PIPESTATUS[0]}" -eq 0 ] || failed=$((failed + 1))
 else
@@ -52,11 +54,11 @@ else
 fi
 
 stage "train the default preset on cuda, 100 steps, sync-debug around the MoE layers"
-timeout 300 "$PY" scripts/gpu_train_check.py "$OUT_DIR" --steps 100 2>&1 | tee "$OUT_DIR/train.log" | tail -60
+timeout "$T_TRAIN" "$PY" scripts/gpu_train_check.py "$OUT_DIR" --steps 100 2>&1 | tee "$OUT_DIR/train.log" | tail -60
 [ "${PIPESTATUS[0]}" -eq 0 ] || failed=$((failed + 1))
 
 stage "dropless bench layer --device cuda --shape medium"
-timeout 240 "$PY" -m dropless.cli bench layer --device cuda --shape medium --routing balanced \
+timeout "$T_BENCH" "$PY" -m dropless.cli bench layer --device cuda --shape medium --routing balanced \
     --json "$OUT_DIR/bench_layer_medium.json" 2>&1 | tee "$OUT_DIR/bench.log" | grep -v "repeat"
 [ "${PIPESTATUS[0]}" -eq 0 ] || failed=$((failed + 1))
 

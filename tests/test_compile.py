@@ -71,3 +71,16 @@ def test_compiled_layer_matches_eager_under_autocast() -> None:
     torch.manual_seed(0)
     layer = MoELayer(32, MoEConfig(num_experts=8, top_k=2, d_expert=16))
     _check_compiled_matches_eager(layer, torch.randn(2, 12, 32), autocast=True)
+
+
+def test_layer_forward_never_asks_torch_for_autocast_availability(monkeypatch: pytest.MonkeyPatch) -> None:
+    """dynamo on torch 2.11 cannot trace `torch.amp.is_autocast_available` (a call into torch._C), so
+    fullgraph compile of the layer failed there (seen on an H200 machine; torch 2.13 traces it). The
+    layer asks `ops.autocast.autocast_available` instead; any direct call in the forward fails here."""
+    def refuse(device_type: str) -> bool:
+        raise AssertionError(f"torch.amp.is_autocast_available({device_type!r}) called in the forward")
+
+    layer = MoELayer(32, MoEConfig(num_experts=8, top_k=2, d_expert=16, **CASES["token_choice_group_bias_align4_shared"]))
+    monkeypatch.setattr(torch.amp, "is_autocast_available", refuse)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(torch.randn(12, 32)).y.float().sum().backward()

@@ -11,6 +11,7 @@ import torch
 from dropless.config import MoEConfig, RouterConfig
 from dropless.layers import decode_experts
 from dropless.layers.moe import MoELayer
+from dropless.layers.packed_experts import PackedExperts
 from tolerances import assert_close
 
 CASES = {
@@ -101,10 +102,14 @@ def test_decode_path_is_taken_only_where_it_applies() -> None:
         assert layer(x).stats.out_sq_E is not None and len(taken) == 3
         layer.detailed_stats = False
         for kw in (dict(capacity_factor=2.0), dict(precision="mxfp8"),
-                   dict(router=RouterConfig(strategy="expert_choice", score_func="sigmoid"))):
-            other, _ = build(T=3, d=32, E=4, K=2, f=32, **kw)
+                   dict(router=RouterConfig(strategy="expert_choice", score_func="sigmoid")), "packed"):
+            other, _ = build(T=3, d=32, E=4, K=2, f=32, **(kw if kw != "packed" else {}))
+            if kw == "packed":  # 4-bit experts (serve/quantize): they dequantise what a step uses
+                other.experts = PackedExperts.from_experts(other.experts, "mxfp4")
+                other.eval()
             other.decode_max_tokens = 8
-            other(torch.randn(3, 32))
+            with torch.no_grad():
+                other(torch.randn(3, 32))
         assert len(taken) == 3
     finally:
         decode_experts.row_sum_experts = real

@@ -1,4 +1,4 @@
-"""The `dropless` command: `dropless train | generate | bench NAME | diagnose`.
+"""The `dropless` command: `dropless train | generate | evaluate | bench NAME | diagnose`.
 
 Each subcommand lives in its own module and parses its own arguments, so `dropless bench layer -h`
 shows that benchmark's options and importing the CLI stays cheap.
@@ -15,6 +15,10 @@ COMMANDS = {
     "train": ("dropless.train.run", "train a model (see --help)"),
     "generate": ("dropless.serve.generate", "sample text from a trained run"),
     "diagnose": ("dropless.monitor.report", "routing-health report for a run directory"),
+    "record-routing": ("dropless.serve.record_routing", "record the full forward's routing of given tokens"),
+    "routing-mismatch": ("dropless.serve.mismatch", "compare two routing records of the same tokens"),
+    "quantize": ("dropless.serve.quantize", "store a run's routed experts in 4 bits (mxfp4 | nvfp4)"),
+    "evaluate": ("dropless.serve.evaluate_cli", "validation loss of a run (fewer experts: --serve-top-k)"),
 }
 BENCHMARKS = {
     "layer": "dropless.bench.layer",
@@ -28,7 +32,7 @@ BENCHMARKS = {
 
 def usage() -> str:
     lines = ["usage: dropless COMMAND [options]", "", "commands:"]
-    lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [f"  {name:<17} {help_}" for name, (_, help_) in COMMANDS.items()]
     lines += [f"  bench NAME  benchmarks: {', '.join(BENCHMARKS)}"]
     return "\n".join(lines)
 

@@ -62,6 +62,11 @@ class RouterConfig:
     threshold_momentum: float = 0.99  # expert_threshold: EMA of the per-expert score quantile
     max_experts_per_token: Optional[int] = None  # expert_threshold: slots per token (None = E, exact)
     hash_buckets: int = 4096  # hash: table rows; token id modulo this picks the row
+    # Serving with fewer experts (docs/serving.md): run the top top_k experts but normalise their
+    # weights over the top norm_top_k (>= top_k), as if routing top norm_top_k and dropping the rest.
+    # None = top_k (the usual rule). token_choice only; needs weights that are normalised at all.
+    # Set, it normalises even over one expert (weight = scaling_factor, no router gradient).
+    norm_top_k: Optional[int] = None
 
     def validate(self, prefix: str, num_experts: int, top_k: int) -> None:
         _choice(f"{prefix}.score_func", self.score_func, SCORE_FUNCS)
@@ -92,12 +97,36 @@ class RouterConfig:
         if top_k > self.topk_groups * per_group:
             _fail(f"{prefix}.topk_groups", self.topk_groups,
                   f"leaves {self.topk_groups * per_group} eligible experts, fewer than top_k={top_k}")
-        if self.score_func == "softmax" and top_k == 1 and not self.pre_softmax:
+        if self.norm_top_k is not None:
+            self._validate_norm_top_k(prefix, num_experts, top_k, self.topk_groups * per_group)
+        # (norm_top_k=1 gives the constant weight 1 on purpose: the serving "kept" rule at one expert)
+        if self.score_func == "softmax" and top_k == 1 and self.norm_top_k is None and not self.pre_softmax:
             _fail(f"{prefix}.pre_softmax", self.pre_softmax,
                   "softmax with top_k=1 needs pre_softmax=True (post-softmax over one logit is constant 1: "
                   "no router gradient)")
         if not self.scaling_factor > 0:
             _fail(f"{prefix}.scaling_factor", self.scaling_factor, "must be > 0")
+
+    def _validate_norm_top_k(self, prefix: str, num_experts: int, top_k: int, eligible: int) -> None:
+        name, k2 = f"{prefix}.norm_top_k", self.norm_top_k
+        _positive(name, k2)
+        if self.strategy != "token_choice":
+            # the other strategies pick a variable or imposed set of experts: there is no ranked
+            # top-k2 list whose mass would be the denominator
+            _fail(name, k2, f"only acts with strategy='token_choice' (got {self.strategy!r})")
+        if k2 < top_k:
+            _fail(name, k2, f"is below top_k={top_k} (the weights of the top_k run experts are "
+                  "normalised over the top norm_top_k, which must include them)")
+        if k2 > num_experts:
+            _fail(name, k2, f"exceeds num_experts={num_experts}")
+        if k2 > eligible:
+            _fail(name, k2, f"exceeds the {eligible} experts group-limited routing leaves eligible "
+                  f"(topk_groups={self.topk_groups} of n_groups={self.n_groups})")
+        if not self.renormalize and not (self.score_func == "softmax" and not self.pre_softmax):
+            # the weights are the raw scores: nothing is normalised, so norm_top_k would do nothing
+            _fail(name, k2, "needs normalised weights: with renormalize=false (and no post-softmax) "
+                  f"the weights are the raw {self.score_func} scores, so there is nothing to normalise "
+                  "(leave norm_top_k unset)")
 
 
 @dataclass
@@ -396,6 +425,7 @@ class DataConfig:
     tokenizer_path: Optional[str] = None  # a local tokenizer.json for tokenizer="hf"
     val_fraction: float = 0.05
     max_bytes: int = 0  # cap on corpus bytes (0 = all)
+    replay_routing: str = ""  # a routing record to train on with its expert ids (train/replay_data.py)
 
     def __post_init__(self) -> None:
         _choice("data.tokenizer", self.tokenizer, TOKENIZERS)

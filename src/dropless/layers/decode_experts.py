@@ -28,9 +28,9 @@ row walk instead of a blocked GEMM, the K pairs of a token inside one sum instea
 afterwards): results differ by reordered fp32 sums (tests/tolerances.py REFERENCE), not bit for bit.
 
 Applies only where the layer is a plain single-device dropless layer in its weights' dtype:
-full-precision experts (the quantised recipes quantise per expert group), no autocast (the grouped
-path casts all E matrices to the autocast dtype; doing that here would cost more than it saves),
-no capacity layout (it drops pairs by position in the expert's group), token-choice-shaped
+`GroupedExperts` (not the 4-bit `PackedExperts`, which dequantise per step), full-precision experts
+(the quantised recipes quantise per expert group), no autocast (the grouped path casts all E
+matrices to the autocast dtype; doing that here would cost more than it saves), no capacity layout (it drops pairs by position in the expert's group), token-choice-shaped
 decisions (no validity mask), a local dispatcher (expert parallel moves pairs between ranks), and no
 detailed statistics (they read the expert-ordered rows).
 """
@@ -90,7 +90,7 @@ def row_sum_experts(x_TD: torch.Tensor, decision: RoutingDecision, experts: Grou
                            per_sample_weights=h_PF.reshape(-1))
 
 
-def applies(experts: GroupedExperts, dispatcher: object, decision: RoutingDecision, n_tokens: int,
+def applies(experts: torch.nn.Module, dispatcher: object, decision: RoutingDecision, n_tokens: int,
             max_tokens: int | None, detailed_stats: bool) -> bool:
     """Whether a layer call takes the decode path (host-side facts only: no device read).
     `max_tokens` None (the automatic choice): `DECODE_MAX_TOKENS` of the device, and only without
@@ -102,7 +102,8 @@ def applies(experts: GroupedExperts, dispatcher: object, decision: RoutingDecisi
     if max_tokens is None:
         max_tokens = default_max_tokens(dev) if not torch.is_grad_enabled() else 0
     autocast = torch.amp.is_autocast_available(dev.type) and torch.is_autocast_enabled(dev.type)
-    return (0 < n_tokens <= max_tokens and not autocast and decision.valid_TK is None and not detailed_stats
+    return (0 < n_tokens <= max_tokens and not autocast and type(experts) is GroupedExperts
+            and decision.valid_TK is None and not detailed_stats
             and experts.precision == quant_gemm.FULL_PRECISION
             and type(dispatcher) is LocalDispatcher and dispatcher.capacity_factor is None)
 

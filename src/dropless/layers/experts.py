@@ -31,6 +31,7 @@ from torch import nn
 
 from ..ops import grouped_gemm, quant_gemm
 from ..ops.activations import activation, is_gated, weighted_swiglu
+from ..ops.autocast import autocast_available
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ class GroupedExperts(nn.Module):
     def forward(self, batch: ExpertBatch) -> torch.Tensor:
         x_RD, w1, w2 = batch.x_RD, self.w_gate_up_EDF, self.w_down_EFD
         dev = x_RD.device.type
-        if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
+        if autocast_available(dev) and torch.is_autocast_enabled(dev):
             dtype = torch.get_autocast_dtype(dev)
             x_RD, w1, w2 = x_RD.to(dtype), w1.to(dtype), w2.to(dtype)
         elif x_RD.dtype != w1.dtype:

@@ -30,6 +30,7 @@ from torch import nn
 
 from ..config import RouterConfig
 from ..ops import routing
+from ..ops.autocast import autocast_available
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class Router(nn.Module):
 
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
         dev = x_TD.device.type  # "meta" has no autocast to turn off
-        off = torch.autocast(dev, enabled=False) if torch.amp.is_autocast_available(dev) else nullcontext()
+        off = torch.autocast(dev, enabled=False) if autocast_available(dev) else nullcontext()
         with off:
             return torch.nn.functional.linear(x_TD.float(), self.weight.float())
 
@@ -94,6 +95,11 @@ class Router(nn.Module):
             if replay_ids_TK.shape != (T, self.top_k):
                 raise ValueError(f"replay_ids_TK shape {tuple(replay_ids_TK.shape)}: expected "
                                  f"({T}, {self.top_k})")
+            if c.norm_top_k is not None:
+                # the denominator would be the mass of this router's own top norm_top_k, which the
+                # replayed choice does not say; refuse rather than silently renormalise by top_k
+                raise ValueError(f"router.norm_top_k={c.norm_top_k}: routing replay takes the weights "
+                                 f"over the replayed top_k={self.top_k} ids only; unset norm_top_k")
             return self._imposed(logits_TE, replay_ids_TK)
         if c.strategy == "hash":
             if token_ids is None or token_ids.numel() != T:
@@ -119,7 +125,7 @@ class Router(nn.Module):
         ids_TK, weights_TK, scores_TE = routing.topk_route(
             logits_TE, top_k=self.top_k, score_func=c.score_func, pre_softmax=c.pre_softmax,
             renormalize=c.renormalize, scaling_factor=c.scaling_factor, n_groups=c.n_groups,
-            topk_groups=c.topk_groups, bias_E=self.expert_bias,
+            topk_groups=c.topk_groups, bias_E=self.expert_bias, norm_top_k=c.norm_top_k,
         )
         return RoutingDecision(ids_TK, weights_TK, scores_TE, logits_TE)
 

@@ -1,6 +1,6 @@
 """Routing as pure functions: scores, (group-limited) top-k, combine weights, router losses.
 
-Legend: T tokens, E experts, K experts per token (top_k), G expert groups.
+Legend: T tokens, E experts, K experts per token (top_k), G expert groups, N = max(K, norm_top_k).
     logits_TE  router logits (fp32)
     scores_TE  score function of the logits (softmax / sigmoid / sqrt(softplus))
     bias_E     selection-only expert bias (loss-free balancing); never enters the weights
@@ -18,6 +18,21 @@ training diverge; the caller casts the input to fp32 before the router GEMM.
 Selection is done on `scores + bias` (or `logits + bias` for post-softmax); the weights are always
 gathered from the unbiased scores, so the bias steers load without changing what the experts' outputs
 are multiplied by.
+
+Fewer experts at serving time (`norm_top_k`, docs/serving.md): a model trained with top-k can run
+only its top K1 < k experts. Renormalising the K1 weights to sum to 1 inflates each kept expert's
+weight beyond what training gave it; the seeds' rule instead routes the top K2 >= K1 exactly as the
+model would (same selection: bias, groups; same weight rule: pre/post-softmax, renormalise, scaling
+factor) and keeps the first K1 slots, so each kept weight is its score over the mass of the top K2:
+    pre-softmax, renormalize: w_i = s * p_i / sum_{j in top K2} p_j   (p = the scores)
+    post-softmax:             w_i = s * exp(l_i) / sum_{j in top K2} exp(l_j), the same quantity
+                              with p = softmax over all E (the full softmax's normaliser cancels)
+With K2 = the trained k each kept expert gets exactly its trained weight; a larger K2 shrinks them
+all by one factor per token. With renormalize=False (and no post-softmax) the weights are the raw
+scores and there is no mass to divide by, so K2 does nothing (RouterConfig refuses it).
+A given `norm_top_k` always normalises, also over one expert (weight = scaling factor: the "kept"
+rule at K1 = 1), whereas plain top-1 routing keeps the raw score p as its weight: renormalising one
+weight gives the constant 1 and no router gradient.
 """
 
 from __future__ import annotations
@@ -69,11 +84,14 @@ def topk_route(
     n_groups: int = 1,
     topk_groups: int = 1,
     bias_E: torch.Tensor | None = None,
+    norm_top_k: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Token-choice top-k routing. Returns (ids_TK, weights_TK, scores_TE).
 
     `scores_TE` are the probabilities used by the aux loss and the monitor (softmax over all E for
-    softmax routing, whatever `pre_softmax` says).
+    softmax routing, whatever `pre_softmax` says). `norm_top_k` (>= top_k; None = top_k): route the
+    top `norm_top_k` and keep the first `top_k` slots, so the kept weights are normalised over the
+    top `norm_top_k` (module note). norm_top_k = top_k >= 2 is the plain top-k, bit for bit.
     """
     post_softmax = score_func == "softmax" and not pre_softmax
     scores_TE = score_fn(logits_TE, score_func)
@@ -81,21 +99,28 @@ def topk_route(
     if bias_E is not None:
         sel_TE = sel_TE + bias_E
     sel_TE = group_limited_mask(sel_TE, n_groups, topk_groups)
-    # topk is deterministic on CPU; ties go to the lower expert index.
-    ids_TK = sel_TE.topk(top_k, dim=-1, sorted=True).indices
-    weights_TK = _combine_weights(logits_TE, scores_TE, ids_TK, post_softmax, renormalize, scaling_factor)
-    return ids_TK, weights_TK, scores_TE
+    n = top_k if norm_top_k is None else max(norm_top_k, top_k)
+    # topk is deterministic on CPU; ties go to the lower expert index. sorted=True: the first top_k
+    # of the top n are the top top_k.
+    ids_TN = sel_TE.topk(n, dim=-1, sorted=True).indices
+    weights_TN = _combine_weights(logits_TE, scores_TE, ids_TN, post_softmax, renormalize, scaling_factor,
+                                  always=norm_top_k is not None)
+    if n == top_k:
+        return ids_TN, weights_TN, scores_TE
+    return ids_TN[:, :top_k].contiguous(), weights_TN[:, :top_k].contiguous(), scores_TE
 
 
 def _combine_weights(logits_TE: torch.Tensor, scores_TE: torch.Tensor, ids_TK: torch.Tensor,
-                     post_softmax: bool, renormalize: bool, scaling_factor: float) -> torch.Tensor:
+                     post_softmax: bool, renormalize: bool, scaling_factor: float,
+                     always: bool = False) -> torch.Tensor:
     """The unbiased weights at the chosen ids: softmax over the k logits (post-softmax), or the
-    scores gathered and optionally renormalised to sum to 1; then the routing scaling factor."""
+    scores gathered and optionally renormalised to sum to 1 (not a single one unless `always`);
+    then the routing scaling factor."""
     if post_softmax:
         weights_TK = torch.softmax(logits_TE.gather(1, ids_TK), dim=-1)
     else:
         weights_TK = scores_TE.gather(1, ids_TK)
-        if renormalize and ids_TK.shape[1] > 1:
+        if renormalize and (ids_TK.shape[1] > 1 or always):
             weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True).clamp_min(1e-20)
     if scaling_factor != 1.0:
         weights_TK = weights_TK * scaling_factor

@@ -1,6 +1,9 @@
 """Load a trained run's model for inference: the latest complete checkpoint, all E experts on one
 device, whatever world size wrote it.
 
+A run directory written by `dropless quantize` (4-bit routed experts, serve/packed.py) loads the
+same way: its config and a model whose MoE layers hold `PackedExperts`.
+
 `model_cfg` (optional) maps the run's ModelConfig to the one to build (serving-time changes that keep
 every parameter's shape, e.g. fewer experts per token); the checkpoint's tensors must still fit it.
 """
@@ -15,10 +18,14 @@ import torch
 from ..config import ModelConfig, RunConfig, from_dict
 from ..model import MoEModel
 from ..train import checkpoint as ckpt
+from . import packed
 
 
 def run_config(run_dir: str | Path) -> tuple[RunConfig, Path]:
-    """The config stored with the run's latest complete checkpoint, and that checkpoint's path."""
+    """The config stored with the run's latest complete checkpoint, and that checkpoint's path (for
+    a packed run: its config and `quantized/` folder)."""
+    if packed.is_packed_run(run_dir):
+        return packed.packed_run_config(run_dir)
     path = ckpt.latest_checkpoint(run_dir)
     if path is None:
         raise FileNotFoundError(f"no complete checkpoint under {Path(run_dir) / 'checkpoints'}")
@@ -37,6 +44,8 @@ def load_model(run_dir: str | Path, device: torch.device | str = "cpu",
     cfg, path = run_config(run_dir)
     if model_cfg is not None:
         cfg.model = model_cfg(cfg.model)  # a new ModelConfig validates itself on construction
+    if packed.is_packed_run(run_dir):
+        return packed.load_packed(run_dir, cfg, device), cfg
     model = MoEModel(cfg.model)
     if ckpt.is_dcp_checkpoint(path):
         from ..train import dist_checkpoint

@@ -1,7 +1,8 @@
 """The training loop: one process, gradient accumulation, autocast, evaluation, checkpoints.
 
 Per optimizer step: `grad_accum` micro-batches (each `batch_size` x `seq_len` tokens, a pure function
-of (seed, step, micro-step), so a resumed run sees the same batches), forward under autocast with fp32
+of (seed, step, micro-step), so a resumed run sees the same batches; with `data.replay_routing`, a
+routing record's sequences with their expert ids, replay_data.py), forward under autocast with fp32
 master weights, backward of loss / grad_accum, global-norm clipping, AdamW, the learning rate from the
 schedule. The MoE layers' statistics stay on the device and are summed over the step; the host reads
 them (one sync) every `log.log_every` steps, together with the loss. A step whose loss or gradient
@@ -51,6 +52,7 @@ from .data import eval_batches, get_batch, load_splits
 from .health import TrainHealth, global_aux_terms
 from .nonfinite import NonFiniteGuard
 from .optim import build_optimizer, step_unless
+from .replay_data import ReplayData
 from .resume import check_resume_config, report_resume
 from .overflow import OverflowGuard
 from .schedule import lr_at
@@ -126,6 +128,9 @@ class Trainer:
                                           p.overflow_check_every)
         self.nonfinite = NonFiniteGuard(t.max_nonfinite_steps, reduce, device=self.model.embed.weight.device)
         self.start_step = 0
+        # routing replay: the record's sequences and expert ids replace the data split's batches
+        self.replay = (ReplayData(cfg.data.replay_routing, cfg, self.device, t.grad_accum * self.world_size)
+                       if cfg.data.replay_routing else None)
         probe = next(iter(eval_batches(self.val_tokens, min(4, t.batch_size), t.seq_len, 1,
                                        device=self.device)))[0]
         if resume and ckpt.latest_checkpoint(self.run_dir) is None:
@@ -166,6 +171,9 @@ class Trainer:
         self.nonfinite.load_state_dict(state.get("nonfinite", {}))
         self.start_step = int(state["step"])
         self._resume_state = state
+        note = self.replay.resume(state.get("replay"), self.start_step) if self.replay is not None else None
+        if note and self.is_main:
+            print(note, flush=True)
         if self.is_main:
             for log in (self.metrics, self.routing, self.health_log):
                 log.truncate_from(self.start_step)
@@ -179,6 +187,8 @@ class Trainer:
         state = {"step": next_step, "rng": ckpt.rng_state(), "config": to_dict(self.cfg),
                  "world_size": self.world_size, "nonfinite": self.nonfinite.state_dict(),
                  "health": dist_checkpoint.gather_health(self.health.state_dict(), self.distributed)}
+        if self.replay is not None:
+            state["replay"] = self.replay.state_dict()
         return dist_checkpoint.save(self.run_dir, next_step, self.model, self.optimizer, state,
                                     experts=self.expert_names, meshes=self.meshes,
                                     keep_last=self.cfg.train.keep_last)
@@ -186,6 +196,15 @@ class Trainer:
     def micro_index(self, micro: int) -> int:
         """This rank's micro-batch `micro` is the one-process micro-batch micro * W + rank."""
         return micro * self.world_size + self.rank
+
+    def batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor] | None]:
+        """(inputs, targets, replayed ids per MoE layer or None) of this rank's micro-batch."""
+        if self.replay is not None:
+            return self.replay.batch(step, self.micro_index(micro))
+        t = self.cfg.train
+        x, y = get_batch(self.train_tokens, step, self.micro_index(micro), t.batch_size, t.seq_len,
+                         t.seed, device=self.device)
+        return x, y, None
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return self.placement.autocast()
@@ -231,10 +250,9 @@ class Trainer:
         counts = torch.zeros(L, E, device=self.device)
         with torch.no_grad():
             for micro in range(t.grad_accum):
-                x, _ = get_batch(self.train_tokens, step, self.micro_index(micro), t.batch_size, t.seq_len,
-                                 t.seed, device=self.device)
+                x, _, ids = self.batch(step, micro)
                 with self.autocast():
-                    out = self.model(x)
+                    out = self.model(x, replay_ids=ids)
                 counts += torch.stack([s.tokens_per_expert_E.float() for s in out.stats])
         self.health.reduce(counts, "sum")
         return counts
@@ -287,10 +305,9 @@ class Trainer:
         sums = StepLosses(zero(), zero(), zero())
         dropped, demand = zero(torch.int64), zero(torch.int64)
         for micro in range(t.grad_accum):
-            x, y = get_batch(self.train_tokens, step, self.micro_index(micro), t.batch_size, t.seq_len,
-                             t.seed, device=self.device)
+            x, y, ids = self.batch(step, micro)
             with self.autocast():
-                out = self.model(x, y)
+                out = self.model(x, y, replay_ids=ids)
             loss, moe_loss = out.loss, out.moe_loss
             if bal.global_aux_loss_coeff > 0 and out.moe:
                 counts = pre_counts
@@ -332,12 +349,15 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         tb = TensorBoard(self.run_dir / "tensorboard", cfg.log.tensorboard and self.is_main)
         bar = Progress(t.steps, self.start_step, cfg.log.progress and self.is_main)
-        tokens_per_step = t.batch_size * t.seq_len * t.grad_accum * self.world_size
+        seq_tokens = self.replay.tokens_per_sequence() if self.replay is not None else t.seq_len
+        tokens_per_step = t.batch_size * seq_tokens * t.grad_accum * self.world_size
         params = self.param_counts
         say = bar.write if self.is_main else (lambda text: None)
         if self.is_main:
             print(self.placement.describe(), flush=True)
             self.metrics.write({"step": self.start_step, **self.placement.as_dict()})
+            if self.replay is not None:
+                say(self.replay.describe())
         say(f"model: {params['total'] / 1e6:.2f}M parameters, {params['active'] / 1e6:.2f}M active; "
                   f"train {self.train_tokens.numel() / 1e6:.1f}M tokens, val {self.val_tokens.numel() / 1e6:.2f}M")
         last_time, last_step = time.perf_counter(), self.start_step

@@ -1,6 +1,10 @@
 """`dropless train`: build the config (preset + overrides), pick the run directory, train.
 
     dropless train [--config NAME|FILE] [--set a.b=value ...] [--run-dir DIR] [--resume] [--nproc N]
+                   [--replay-routing RECORD]
+
+`--replay-routing RECORD` trains on a routing record's sequences with its expert ids (routing replay,
+train/replay_data.py); it is `--set data.replay_routing=RECORD`, so config.toml keeps it for --resume.
 
 Several processes: `--nproc N` re-launches the same command under torchrun
 (`python -m torch.distributed.run --standalone --nproc-per-node N -m dropless.train ...`), with the run
@@ -67,6 +71,9 @@ def parser() -> argparse.ArgumentParser:
                    help="override a config field by dotted name (repeatable)")
     p.add_argument("--run-dir", default=None, help="run directory (default: runs/<preset>-<time>)")
     p.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint")
+    p.add_argument("--replay-routing", default=None, metavar="RECORD",
+                   help="train on this routing record's sequences, replaying its expert ids "
+                        "(= --set data.replay_routing=RECORD)")
     p.add_argument("--nproc", type=int, default=0,
                    help="processes to launch with torchrun (default: one process, no launcher)")
     return p
@@ -130,6 +137,8 @@ def resolve_config(args: argparse.Namespace, path: Path, run_dir: Path, quiet: b
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
+    if args.replay_routing is not None:
+        args.overrides.append(f"data.replay_routing={Path(args.replay_routing).resolve()}")
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if args.nproc < 0:
         print(f"dropless train: error: --nproc {args.nproc}: must be >= 1", file=sys.stderr)

@@ -1,0 +1,136 @@
+"""The packed-experts run directory: a trained model whose routed experts are stored in 4 bits.
+
+Layout (written by `dropless quantize`, read by `serve.load.load_model`):
+
+    RUN_DIR2/config.toml               the source checkpoint's RunConfig (unchanged)
+    RUN_DIR2/quantized/manifest.json   {"format": "dropless-packed-experts", "version": 1,
+                                        "experts": "mxfp4" | "nvfp4", "source_run", "source_step",
+                                        "config": {...}, "tensors": "model.pt", "bytes": {...}}
+    RUN_DIR2/quantized/model.pt        torch.save of the packed model's state dict
+
+The state dict is the original model's, tensor for tensor (attention, router, embeddings, norms,
+dense layers and shared experts as the checkpoint stored them), except that every MoE layer's
+`experts.w_gate_up_EDF` / `experts.w_down_EFD` are replaced by `PackedExperts`' buffers (codes, block
+scales and NVFP4 tensor scales; layers/packed_experts.py). There is no `checkpoints/` folder, so the
+trainer cannot mistake the directory for one it can resume: a packed model is for inference only.
+
+Writing is atomic: everything goes into a hidden sibling folder that is renamed to RUN_DIR2 at the
+end, so a failure leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import ModelConfig, RunConfig, from_dict, save_config, to_dict
+from ..layers.packed_experts import PackedExperts, check_packable
+from ..model import MoEModel
+
+FORMAT = "dropless-packed-experts"
+VERSION = 1
+QUANT_DIR = "quantized"
+MANIFEST = "manifest.json"
+TENSORS = "model.pt"
+
+
+def is_packed_run(run_dir: str | Path) -> bool:
+    return (Path(run_dir) / QUANT_DIR / MANIFEST).is_file()
+
+
+def read_manifest(run_dir: str | Path) -> dict[str, Any]:
+    path = Path(run_dir) / QUANT_DIR / MANIFEST
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise ValueError(f"{path}: format={manifest.get('format')!r} version={manifest.get('version')!r}; "
+                         f"this dropless reads {FORMAT!r} version {VERSION}")
+    if manifest.get("experts") not in ("mxfp4", "nvfp4"):
+        raise ValueError(f"{path}: experts={manifest.get('experts')!r} is not a known 4-bit format")
+    return manifest
+
+
+def packed_run_config(run_dir: str | Path) -> tuple[RunConfig, Path]:
+    """The RunConfig a packed run was quantised from, and its `quantized/` folder."""
+    return from_dict(RunConfig, read_manifest(run_dir)["config"]), Path(run_dir) / QUANT_DIR
+
+
+def pack_model(model: MoEModel, fmt: str) -> MoEModel:
+    """Replace every MoE layer's GroupedExperts by a PackedExperts holding its 4-bit weights, in
+    place (the fp32 expert weights are released); the model is put in eval mode."""
+    check_packable(fmt, model.cfg.d_model, model.cfg.moe.d_expert)
+    for layer in model.moe_layers():
+        layer.experts = PackedExperts.from_experts(layer.experts, fmt)
+    return model.eval()
+
+
+def packed_skeleton(cfg: ModelConfig, fmt: str) -> MoEModel:
+    """A model of `cfg` whose MoE layers hold empty PackedExperts of `fmt`, ready for load_state_dict.
+    The full-precision experts are built first and dropped (peak memory: one unpacked model)."""
+    check_packable(fmt, cfg.d_model, cfg.moe.d_expert)
+    model = MoEModel(cfg)
+    for layer in model.moe_layers():
+        old = layer.experts
+        layer.experts = PackedExperts(cfg.moe.num_experts, cfg.d_model, cfg.moe.d_expert, fmt, old.kind,
+                                      old.clamp, old.softcap, old.backend, old.precision)
+    return model
+
+
+def load_packed(run_dir: str | Path, cfg: RunConfig, device: torch.device | str = "cpu") -> MoEModel:
+    """The packed model of a `dropless quantize` output, on `device`, in eval mode. `cfg` may differ
+    from the stored one in serving-time fields (e.g. top_k) as long as every tensor still fits."""
+    manifest = read_manifest(run_dir)
+    model = packed_skeleton(cfg.model, manifest["experts"])
+    state = torch.load(Path(run_dir) / QUANT_DIR / manifest["tensors"], map_location="cpu",
+                       weights_only=True)
+    model.load_state_dict(state)
+    return model.to(device).eval()
+
+
+def state_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of distinct storages (a tied embedding / LM head counts once)."""
+    seen: dict[tuple[int, int], int] = {}
+    for t in tensors:
+        seen[(t.untyped_storage().data_ptr(), t.device.index or 0)] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def model_bytes(model: MoEModel) -> dict[str, int]:
+    """In-memory bytes of the model's state: total, and the routed experts' share."""
+    tensors = list(model.state_dict().values())
+    experts = [t for layer in model.moe_layers() for t in layer.experts.state_dict().values()]
+    return {"total": state_bytes(tensors), "experts": state_bytes(experts)}
+
+
+def save_packed(model: MoEModel, cfg: RunConfig, out: str | Path, fmt: str, source_run: str | Path,
+                source_step: int) -> Path:
+    """Write a packed model (from `pack_model`) as the run directory `out` (absent or empty)."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--out={str(out)!r} exists and is not an empty directory; choose a new path")
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        (tmp / QUANT_DIR).mkdir(parents=True)
+        save_config(cfg, tmp / "config.toml")
+        torch.save(model.state_dict(), tmp / QUANT_DIR / TENSORS)
+        manifest = {
+            "format": FORMAT, "version": VERSION, "experts": fmt,
+            "source_run": str(Path(source_run).resolve()), "source_step": source_step,
+            "tensors": TENSORS, "bytes": {**model_bytes(model),
+                                          "file": (tmp / QUANT_DIR / TENSORS).stat().st_size},
+            "config": to_dict(cfg),
+        }
+        (tmp / QUANT_DIR / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        if out.exists():
+            out.rmdir()  # empty (checked above); a rename cannot replace it on every OS
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
