@@ -30,9 +30,10 @@ afterwards): results differ by reordered fp32 sums (tests/tolerances.py REFERENC
 Applies only where the layer is a plain single-device dropless layer in its weights' dtype:
 `GroupedExperts` (not the 4-bit `PackedExperts`, which dequantise per step), full-precision experts
 (the quantised recipes quantise per expert group), no autocast (the grouped path casts all E
-matrices to the autocast dtype; doing that here would cost more than it saves), no capacity layout (it drops pairs by position in the expert's group), token-choice-shaped
-decisions (no validity mask), a local dispatcher (expert parallel moves pairs between ranks), and no
-detailed statistics (they read the expert-ordered rows).
+matrices to the autocast dtype; doing that here would cost more than it saves), no capacity layout
+(it drops pairs by position in the expert's group), token-choice-shaped decisions (no validity
+mask), a local dispatcher (expert parallel moves pairs between ranks), and no detailed statistics
+(they read the expert-ordered rows).
 """
 
 from __future__ import annotations
