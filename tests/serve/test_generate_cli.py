@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from dropless.bench.generate import main as bench_main
 from dropless.serve.generate import generate, main
@@ -63,6 +64,23 @@ def test_bad_flags_exit_2_naming_the_flag(run_dir: Path, capsys: pytest.CaptureF
     assert main(args) == 2
     captured = capsys.readouterr()
     assert flag in captured.err and captured.out == ""
+
+
+def test_record_routing_file(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from dropless.serve.routing_record import RoutingRecord
+
+    out = tmp_path / "gen.rec"
+    assert main(cli(run_dir, "--prompt", "def ", "--prompt", "x", "--record-routing", str(out))) == 0
+    rec = RoutingRecord.load(out)
+    model, _ = load_model(run_dir)
+    api = generate(model, [list(b"def "), list(b"x")], 10, temperature=0, record_routing=True)
+    assert [t.tolist() for t in rec.tokens] == [list(b"def ") + api.tokens[0], list(b"x") + api.tokens[1]]
+    assert all(torch.equal(a.to(torch.long), b) for a, b in zip(rec.ids, api.routing))
+    assert rec.source == "kv-cache decode fp32"
+    capsys.readouterr()
+    missing = tmp_path / "no" / "gen.rec"
+    assert main(cli(run_dir, "--prompt", "x", "--record-routing", str(missing))) == 2
+    assert "--record-routing" in capsys.readouterr().err and not missing.parent.exists()
 
 
 def test_run_without_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -4,6 +4,7 @@ the recompute path as the reference.
     dropless generate --run-dir DIR --prompt TEXT [--prompt TEXT2 ...] [--prompts-file F]
         [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--repetition-penalty R]
         [--stop STR ...] [--seed S] [--device auto|cpu|cuda] [--dtype fp32|bf16] [--no-cache]
+        [--record-routing FILE]
 
 One prompt streams its tokens to stdout as they come; a batch prints each sequence when all are done.
 
@@ -160,7 +161,7 @@ def _check(model: MoEModel, prompts: list[list[int]], max_new_tokens: int, use_c
             + ("the recompute path (--no-cache) crops the context instead" if use_cache and not record_routing
                else "recording routing needs every token in one context"))
     if record_routing and model.moe_layers() and model.cfg.moe.router.strategy in MASKED_STRATEGIES:
-        raise ValueError(f"record_routing with model.moe.router.strategy={model.cfg.moe.router.strategy!r}: "
+        raise ValueError(f"record_routing (--record-routing) with model.moe.router.strategy={model.cfg.moe.router.strategy!r}: "
                          "its choices depend on the whole batch, a record of ids cannot replay them")
 
 
@@ -276,6 +277,23 @@ class _Printer:
         sys.stdout.write((self.prompt or "") + self.tok.decode(self.ids)[self.shown:] + "\n")
 
 
+def _write_record(args: argparse.Namespace, model: MoEModel, texts: list[str], tok: object,
+                  result: GenerateResult) -> None:
+    """The routing record of a generation: per sequence its tokens (prompt as fed + generated, stop
+    string cut) and the ids of every one of them (written atomically by RoutingRecord.save)."""
+    from .record_routing import checkpoint_step
+    from .routing_record import RoutingRecord
+
+    seqs = [(tok.encode(t) or [0]) + ids for t, ids in zip(texts, result.tokens)]
+    try:
+        step = checkpoint_step(args.run_dir)
+    except (ValueError, FileNotFoundError):
+        step = None
+    source = f"{'recompute' if args.no_cache else 'kv-cache'} decode {args.dtype}"
+    RoutingRecord.for_model(model.cfg, seqs, result.routing, source, args.run_dir, step).save(args.record_routing)
+    print(f"routing of {len(seqs)} sequences written to {args.record_routing}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dropless generate", description="Sample text from a trained run "
                                 "(latest checkpoint), with a KV cache.")
@@ -292,12 +310,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default="fp32", help="fp32 | bf16 (autocast; the router stays fp32)")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole context every token")
+    p.add_argument("--record-routing", metavar="FILE", help="write every token's expert ids, per MoE "
+                   "layer, as a routing record (serve/routing_record.py)")
     args = p.parse_args(argv)
     try:
         if args.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device={args.device!r}: must be one of auto, cpu, cuda")
         if args.dtype not in ("fp32", "bf16"):
             raise ValueError(f"--dtype={args.dtype!r}: must be fp32 or bf16")
+        if args.record_routing is not None and not Path(args.record_routing).parent.is_dir():
+            raise ValueError(f"--record-routing={args.record_routing!r}: its directory does not exist")
         top_k = None if args.top_k == 0 else args.top_k
         Sampling(args.temperature, top_k, args.top_p, args.repetition_penalty)  # before loading
         device = resolve_device(args.device)[0]
@@ -308,7 +330,10 @@ def main(argv: list[str] | None = None) -> int:
         result = generate(model, [tok.encode(t) for t in texts], args.max_new_tokens,
                           temperature=args.temperature, top_k=top_k, top_p=args.top_p,
                           repetition_penalty=args.repetition_penalty, stop=args.stop, tokenizer=tok,
-                          seed=args.seed, use_cache=not args.no_cache, on_token=printer, dtype=args.dtype)
+                          seed=args.seed, use_cache=not args.no_cache, on_token=printer, dtype=args.dtype,
+                          record_routing=args.record_routing is not None)
+        if args.record_routing is not None:
+            _write_record(args, model, texts, tok, result)
     except (ValueError, FileNotFoundError) as err:
         print(f"dropless generate: error: {err}", file=sys.stderr)
         return 2
