@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import quant_gemm
+from ..ops.autocast import autocast_available
 from ..ops.activations import activation, weighted_swiglu
 from .dispatch import DispatchMeta, LocalDispatcher
 from .experts import GroupedExperts
@@ -102,7 +103,7 @@ def applies(experts: torch.nn.Module, dispatcher: object, decision: RoutingDecis
     dev = decision.ids_TK.device
     if max_tokens is None:
         max_tokens = default_max_tokens(dev) if not torch.is_grad_enabled() else 0
-    autocast = torch.amp.is_autocast_available(dev.type) and torch.is_autocast_enabled(dev.type)
+    autocast = autocast_available(dev.type) and torch.is_autocast_enabled(dev.type)
     return (0 < n_tokens <= max_tokens and not autocast and type(experts) is GroupedExperts
             and decision.valid_TK is None and not detailed_stats
             and experts.precision == quant_gemm.FULL_PRECISION
