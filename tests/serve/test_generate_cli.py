@@ -107,3 +107,21 @@ def test_bench_bad_flags(tmp_path: Path, capsys: pytest.CaptureFixture, args: li
     out = tmp_path / "b.json"
     assert bench_main(args + ["--json", str(out), "--device", "cpu"]) == 2
     assert flag in capsys.readouterr().err and not out.exists()
+
+
+def test_serve_top_k_flags_reach_the_model(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--serve-top-k 1 runs one expert per token (the record's K), and the text is the API's with the
+    served config; K2 < K1 is refused before loading, naming the flag."""
+    from dropless.serve.routing_record import RoutingRecord
+    from dropless.serve.serving import serving_map
+
+    rec = tmp_path / "k1.rec"
+    assert main(cli(run_dir, "--prompt", "def ", "--serve-top-k", "1", "--serve-norm-top-k", "2",
+                    "--record-routing", str(rec))) == 0
+    out = capsys.readouterr().out
+    assert RoutingRecord.load(rec).ids[0].shape[-1] == 1
+    model, _ = load_model(run_dir, model_cfg=serving_map(1, 2, "mass"))
+    ids = generate(model, [list(b"def ")], 10, temperature=0).tokens[0]
+    assert out == "def " + bytes(ids).decode("utf-8", errors="replace") + "\n"
+    assert main(cli(run_dir, "--prompt", "def ", "--serve-top-k", "2", "--serve-norm-top-k", "1")) == 2
+    assert "--serve-norm-top-k" in capsys.readouterr().err

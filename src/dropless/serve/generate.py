@@ -4,7 +4,7 @@ the recompute path as the reference.
     dropless generate --run-dir DIR --prompt TEXT [--prompt TEXT2 ...] [--prompts-file F]
         [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--repetition-penalty R]
         [--stop STR ...] [--seed S] [--device auto|cpu|cuda] [--dtype fp32|bf16] [--no-cache]
-        [--record-routing FILE]
+        [--record-routing FILE] [--serve-top-k K1 [--serve-norm-top-k K2] [--serve-renorm mass|kept]]
 
 One prompt streams its tokens to stdout as they come; a batch prints each sequence when all are done.
 
@@ -53,6 +53,7 @@ from ..train.tokenizer import load_tokenizer
 from .evaluate import autocast
 from .load import load_model
 from .sampling import Sampling, sample_next
+from .serving import add_serving_args, serving_map_from_args
 
 MASKED_STRATEGIES = ("expert_choice", "expert_threshold")
 
@@ -312,8 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-cache", action="store_true", help="recompute the whole context every token")
     p.add_argument("--record-routing", metavar="FILE", help="write every token's expert ids, per MoE "
                    "layer, as a routing record (serve/routing_record.py)")
+    add_serving_args(p)
     args = p.parse_args(argv)
     try:
+        serve_map = serving_map_from_args(args)  # flag-only errors before anything is loaded
         if args.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device={args.device!r}: must be one of auto, cpu, cuda")
         if args.dtype not in ("fp32", "bf16"):
@@ -323,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         top_k = None if args.top_k == 0 else args.top_k
         Sampling(args.temperature, top_k, args.top_p, args.repetition_penalty)  # before loading
         device = resolve_device(args.device)[0]
-        model, cfg = load_model(args.run_dir, device)
+        model, cfg = load_model(args.run_dir, device, model_cfg=serve_map)
         tok = load_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
         texts = _read_prompts(args)
         printer = _Printer(tok, texts[0]) if len(texts) == 1 else None
