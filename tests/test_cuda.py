@@ -107,3 +107,21 @@ def test_trainer_on_cuda(tmp_path: Path) -> None:
     assert all(s["exp_avg"].is_cuda for s in trainer.optimizer.state.values())
     Trainer(tiny("train.device=cuda"), tmp_path / "b").fit()
     assert _losses(tmp_path / "b") == losses  # deterministic algorithms: a rerun is bit-identical
+
+
+def test_kv_cache_generation_on_cuda() -> None:
+    """Greedy KV-cache decode on the GPU (fp32) gives the tokens of the recompute path for a
+    left-padded batch, and the decode path (layers/decode_experts.py, auto below its CUDA threshold)
+    agrees with the grouped path there; bf16 generation runs."""
+    from dropless.model import MoEModel
+    from dropless.serve.generate import generate
+
+    torch.manual_seed(0)
+    model = MoEModel(tiny().model).cuda().eval()
+    prompts = [list(b"def main("), list(b"x"), list(b"import os\n")]
+    cached = generate(model, prompts, 20, temperature=0).tokens
+    assert cached == generate(model, prompts, 20, temperature=0, use_cache=False).tokens
+    for layer in model.moe_layers():
+        layer.decode_max_tokens = 0  # the grouped path for every step
+    assert generate(model, prompts, 20, temperature=0).tokens == cached
+    assert len(generate(model, prompts, 8, temperature=0, dtype="bf16").tokens[0]) == 8
