@@ -329,6 +329,8 @@ class ModelConfig:
     norm_eps: float = 1e-6
     init_std: float = 0.02
     moe: MoEConfig = field(default_factory=MoEConfig)
+    # activation recompute by module name (layers/recompute.py, docs/memory.md): any of RECOMPUTE
+    recompute: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):
@@ -347,6 +349,7 @@ class ModelConfig:
             if not getattr(self, name) >= 0:
                 _fail(f"model.{name}", getattr(self, name), "must be >= 0")
         self.moe.validate("model.moe")
+        check_recompute(self.recompute, self.moe)
         block = PRECISION_WIDTH_BLOCK.get(self.moe.precision)
         if block and self.n_moe_layers:
             for name, width in (("model.d_model", self.d_model), ("model.moe.d_expert", self.moe.d_expert)):
@@ -357,6 +360,37 @@ class ModelConfig:
     @property
     def n_moe_layers(self) -> int:
         return self.n_layers - self.n_dense_layers
+
+
+RECOMPUTE = ("layer", "full", "moe", "attn", "norm")
+RECOMPUTE_NOT_YET = ("moe_act", "shared_experts")  # issue 12's names, not built yet: refused
+
+
+def check_recompute(modes: list[str], moe: MoEConfig) -> None:
+    """`full` is an alias of `layer` (every block recomputed whole); `layer` with a finer mode is
+    refused rather than merged, so a list always says what runs. `moe`/`layer` replay the forward's
+    expert ids in the recompute, which needs a fixed top_k per token and weights that depend on the
+    ids alone: the validity-masked strategies and norm_top_k are refused."""
+    f = "model.recompute"
+    if isinstance(modes, str) or not all(isinstance(m, str) for m in modes):
+        _fail(f, modes, "must be a list of names")
+    for m in modes:
+        if m in RECOMPUTE_NOT_YET:
+            _fail(f, m, f"is not implemented yet; available: {', '.join(RECOMPUTE)}")
+        _choice(f, m, RECOMPUTE)
+    if len(set(modes)) < len(modes):
+        _fail(f, modes, "lists a name twice")
+    whole = [m for m in modes if m in ("layer", "full")]
+    if whole and len(modes) > 1:
+        _fail(f, modes, f"{whole[0]!r} recomputes the whole block: list it alone or the finer modes")
+    if whole or "moe" in modes:
+        r = moe.router
+        if r.strategy in ("expert_choice", "expert_threshold"):
+            _fail(f, modes, f"with model.moe.router.strategy={r.strategy!r}: recompute replays the "
+                  "forward's top_k ids, and this strategy has a variable number per token")
+        if r.norm_top_k is not None:
+            _fail(f, modes, f"with model.moe.router.norm_top_k={r.norm_top_k}: the replayed ids do "
+                  "not give the norm_top_k denominator")
 
 
 @dataclass
@@ -464,6 +498,9 @@ class RunConfig:
         if self.data.tokenizer == "byte" and self.model.vocab_size < 256:  # (hf: checked on loading it)
             _fail("model.vocab_size", self.model.vocab_size, "is below the 256 ids of data.tokenizer='byte'")
         self.parallel.check_run(self.model.moe, self.train)
+        if self.model.recompute and self.parallel.ep_size > 1:
+            _fail("model.recompute", self.model.recompute, f"with parallel.ep_size={self.parallel.ep_size}: "
+                  "recompute under expert parallelism is not implemented yet (docs/memory.md)")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:

@@ -13,6 +13,8 @@ coefficients from the config, and returns each layer's statistics (device tensor
 Incremental decoding (serve/generate.py) passes a `KVCache` (layers/kv_cache.py), each token's
 position for the rotary tables, and which tokens are padding; the training call passes none of them
 and runs exactly the code it ran before (causal SDPA over [S, F] tables).
+Activation recompute (`cfg.recompute`, layers/recompute.py) wraps parts of a block in a checkpoint;
+a recomputed MoE layer replays the expert ids its forward chose, so it never re-routes.
 Parallelism (expert parallel, FSDP) is applied to this model from outside; nothing here is
 distributed.
 """
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .layers import recompute
 from .layers.kv_cache import KVCache, LayerKVCache
 from .layers.mlp import MLP
 from .layers.moe import MoELayer, MoEOutput, MoEStats
@@ -103,6 +106,7 @@ class Block(nn.Module):
         m = cfg.moe
         self.ffn: nn.Module = (MoELayer(cfg.d_model, m) if moe else
                                MLP(cfg.d_model, cfg.d_ff_dense, m.activation, m.act_clamp, m.act_softcap))
+        self.recompute = recompute.modes_of(cfg.recompute)  # layers/recompute.py
 
     @property
     def is_moe(self) -> bool:
@@ -111,11 +115,29 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor,
                 replay_ids: torch.Tensor | None = None, token_ids: torch.Tensor | None = None,
                 kv: LayerKVCache | None = None, mask_B1SL: torch.Tensor | None = None) -> BlockOutput:
-        x = x + self.attn(self.attn_norm(x), cos_SF, sin_SF, kv, mask_B1SL)
-        h = self.ffn_norm(x)
+        modes = self.recompute if recompute.active(kv) else frozenset()
+        if "layer" in modes:  # the whole block, with the forward's expert ids in the recompute
+            return recompute.recomputed_routed(
+                lambda ids: self._forward(x, cos_SF, sin_SF, ids, token_ids, kv, mask_B1SL, modes),
+                replay_ids, lambda out: out.moe.ids_TK if out.moe is not None else None)
+        return self._forward(x, cos_SF, sin_SF, replay_ids, token_ids, kv, mask_B1SL, modes)
+
+    def _forward(self, x: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor,
+                 replay_ids: torch.Tensor | None, token_ids: torch.Tensor | None, kv: LayerKVCache | None,
+                 mask_B1SL: torch.Tensor | None, modes: frozenset[str]) -> BlockOutput:
+        def part(mode: str, fn, *args):  # fn(*args), recomputed in the backward when `mode` is set
+            return recompute.recomputed(fn, *args) if mode in modes else fn(*args)
+
+        h = part("norm", self.attn_norm, x)
+        x = x + part("attn", self.attn, h, cos_SF, sin_SF, kv, mask_B1SL)
+        h = part("norm", self.ffn_norm, x)
         if not self.is_moe:
             return BlockOutput(x + self.ffn(h))
-        out = self.ffn(h, replay_ids, token_ids)
+        if "moe" in modes:
+            out = recompute.recomputed_routed(lambda ids: self.ffn(h, ids, token_ids), replay_ids,
+                                              lambda o: o.ids_TK)
+        else:
+            out = self.ffn(h, replay_ids, token_ids)
         return BlockOutput(x + out.y, out)
 
 

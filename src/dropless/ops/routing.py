@@ -95,7 +95,10 @@ def topk_route(
     """
     post_softmax = score_func == "softmax" and not pre_softmax
     scores_TE = score_fn(logits_TE, score_func)
-    sel_TE = logits_TE if post_softmax else scores_TE
+    # The choice is discrete and takes no gradient: selecting on a detached tensor keeps autograd
+    # from saving top-k indices that no backward reads, and leaves exactly the saved tensors of
+    # `weights_at`, which activation recompute relies on when it replays these ids (layers/recompute.py).
+    sel_TE = (logits_TE if post_softmax else scores_TE).detach()
     if bias_E is not None:
         sel_TE = sel_TE + bias_E
     sel_TE = group_limited_mask(sel_TE, n_groups, topk_groups)
