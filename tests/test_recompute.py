@@ -22,7 +22,7 @@ from dropless.config import ModelConfig, load_config
 from dropless.model import MoEModel
 from dropless.ops import routing
 from dropless.train.loop import Trainer
-from tiny_run import TINY, rows, tiny
+from tiny_run import TINY, crash_at, rows, tiny
 
 B, S = 2, 16
 
@@ -203,6 +203,15 @@ def test_trainer_losses_identical_with_layer_recompute(tmp_path: Path) -> None:
     plain = rows(tmp_path / "plain", "loss")
     assert len(plain) == 4 and plain == rows(tmp_path / "layer", "loss")
     assert rows(tmp_path / "plain", "val_loss") == rows(tmp_path / "layer", "val_loss")
+
+
+def test_resume_may_switch_recompute_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A memory knob, not the network: a run resumed with recompute continues bit for bit."""
+    short = ["train.steps=4", "train.eval_every=4", "train.ckpt_every=2"]
+    Trainer(tiny(*short), tmp_path / "full").fit()
+    crash_at(Trainer(tiny(*short), tmp_path / "broken"), 3, monkeypatch)
+    Trainer(tiny(*short, 'model.recompute=["layer"]'), tmp_path / "broken", resume=True).fit()
+    assert rows(tmp_path / "full", "loss") == rows(tmp_path / "broken", "loss")
 
 
 @pytest.mark.parametrize("value, words", [
