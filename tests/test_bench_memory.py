@@ -101,7 +101,7 @@ def test_bench_memory_tiny_writes_every_key(tmp_path) -> None:
     threads = torch.get_num_threads()
     try:
         assert bench.main(["--shape", "tiny", "--device", "cpu", "--repeats", "1", "--warmup", "0",
-                           "--json", str(out)]) == 0
+                           "--breakdown", "--json", str(out)]) == 0
     finally:
         torch.set_num_threads(threads)
     rows = {(r["scope"], r["variant"]): r for r in json.loads(out.read_text())}
@@ -115,6 +115,8 @@ def test_bench_memory_tiny_writes_every_key(tmp_path) -> None:
         assert r["peak_bytes"] is None, key  # the CPU allocator reports no peak: null, not a guess
         if key[1] != "floor":
             assert r["fwd_bwd_ms"] > 0
+            # the breakdown lists the storages that make up the figure
+            assert sum(n for *_, n in r["saved_storages"]) == pytest.approx(r["saved_bytes_per_token"])
     assert rows[("layer", "floor")]["saved_bytes_per_token"] == floor
     # dense_same_shape by hand, per token, bf16: its input leaf x_PD (K*D), and for each of the K
     # rows the SwiGLU input h (2F) and silu(gate) (F) that weighted_swiglu saves, and the input

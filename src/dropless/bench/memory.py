@@ -35,6 +35,7 @@ and the floor row.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -46,7 +47,7 @@ from tqdm import tqdm
 
 from ..config import ModelConfig, MoEConfig
 from ..model import Block, rotary_tables
-from ..saved_bytes import saved_bytes
+from ..saved_bytes import SavedBytes, saved_bytes
 from . import hf_baseline
 from .layer import DTYPES, SHAPES, Forward, _fwd_bwd, _params, build_forwards, dims, draw_inputs, moe_layer
 from .timing import format_table, interleaved
@@ -113,10 +114,10 @@ def build_rows(shape: str, routing: str, dtype: torch.dtype, device: torch.devic
     return rows, meta
 
 
-def measure_saved(row: Row) -> int:
+def measure_saved(row: Row) -> SavedBytes:
     row.x.grad = None
     count = saved_bytes(row.fn, row.x, exclude=[*row.params, *row.constants])
-    return count.bytes
+    return dataclasses.replace(count, out=None)  # drop the graph now
 
 
 def measure_peak(fwd_bwd: Callable[[], object], device: torch.device) -> tuple[int | None, int | None]:
@@ -133,7 +134,9 @@ def measure_peak(fwd_bwd: Callable[[], object], device: torch.device) -> tuple[i
 
 
 def run(shape: str, routing: str, dtype: torch.dtype, device: torch.device, repeats: int, warmup: int,
-        tokens: int | None = None) -> tuple[list[dict], dict]:
+        tokens: int | None = None, breakdown: bool = False) -> tuple[list[dict], dict]:
+    """One row per variant and scope (and the floor row); with `breakdown`, each row also lists its
+    saved storages as [shape, dtype, bytes per token] in the order autograd saved them."""
     rows, meta = build_rows(shape, routing, dtype, device, tokens)
     T, D, E, K, Fw = dims(shape, tokens)
     floor = floor_bytes_per_token(D, K, Fw, torch.empty((), dtype=dtype).element_size(),
@@ -143,9 +146,12 @@ def run(shape: str, routing: str, dtype: torch.dtype, device: torch.device, repe
     for key, r in tqdm(rows.items(), desc="saved bytes, peak", file=sys.stderr):
         saved = measure_saved(r)
         peak, over = measure_peak(fns[key], device)
-        out.append({"scope": key[0], "variant": key[1], "saved_bytes_per_token": saved / T,
-                    "saved_over_floor": saved / T / floor, "peak_bytes": peak,
+        out.append({"scope": key[0], "variant": key[1], "saved_bytes_per_token": saved.bytes / T,
+                    "saved_over_floor": saved.bytes / T / floor, "peak_bytes": peak,
                     "peak_over_start_bytes": over, "floor_bytes_per_token": floor})
+        if breakdown:
+            out[-1]["saved_storages"] = [[list(shp), str(dt).removeprefix("torch."), n / T]
+                                         for shp, dt, n in saved.items]
     bar = tqdm(total=repeats, desc="fwd+bwd timing", file=sys.stderr)
     ms = interleaved({f"{s}/{v}": fn for (s, v), fn in fns.items()}, repeats, warmup, device,
                      progress=lambda rep: bar.update(1))
@@ -183,6 +189,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also list every saved storage of every row (shape, dtype, bytes per token)")
     ap.add_argument("--json", help="write the rows to this file")
     args = ap.parse_args(argv)
     try:
@@ -202,7 +210,7 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(args.threads)
     try:
         rows, meta = run(args.shape, args.routing, DTYPES[args.dtype], device, args.repeats, args.warmup,
-                         args.tokens)
+                         args.tokens, args.breakdown)
     except ValueError as err:  # e.g. balanced routing that --tokens makes impossible
         print(f"dropless bench memory: error: {err}", file=sys.stderr)
         return 2
@@ -213,6 +221,10 @@ def main(argv: list[str]) -> int:
           f"routing={args.routing}, dtype={args.dtype}, {where}, time: median of {args.repeats}")
     print(f"floor (MoE layer): elem*d + elem*k*2f = {rows[-1]['floor_bytes_per_token']} B/token")
     print(format_table(rows, COLUMNS))
+    for r in rows if args.breakdown else ():
+        if "saved_storages" in r:
+            print(f"{r['scope']}/{r['variant']}: saved storages (shape, dtype, B/token)")
+            print("\n".join(f"  {str(tuple(shp)):24} {dt:9} {n:10.1f}" for shp, dt, n in r["saved_storages"]))
     for scope in ("layer", "block"):
         if f"{scope}_dropless_over_hf" in meta:
             print(f"{scope}: dropless / hf_transformers saved bytes = {meta[f'{scope}_dropless_over_hf']:.3f}")
