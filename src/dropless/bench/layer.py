@@ -252,12 +252,17 @@ def run(shape: str, routing: str, dtype: torch.dtype, repeats: int, warmup: int,
     return rows, meta
 
 
-def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="dropless bench layer", description=__doc__.split("\n")[0])
+def add_shape_args(ap: argparse.ArgumentParser) -> None:
+    """--shape, --routing, --dtype: the layer benches' common choices."""
     ap.add_argument("--shape", choices=["small", "medium", "tiny"], default="small",
                     help="small: T=4096 d=512 E=64 k=8 f=256; medium: T=4096 d=1024 E=64 k=8 f=512")
     ap.add_argument("--routing", choices=["balanced", "skewed"], default="balanced")
     ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="dropless bench layer", description=__doc__.split("\n")[0])
+    add_shape_args(ap)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--skip", default="", help="comma-separated variants not to time (e.g. loop_reference, "

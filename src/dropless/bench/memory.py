@@ -49,7 +49,8 @@ from ..config import ModelConfig, MoEConfig
 from ..model import Block, rotary_tables
 from ..saved_bytes import SavedBytes, saved_bytes
 from . import hf_baseline
-from .layer import DTYPES, SHAPES, Forward, _fwd_bwd, _params, build_forwards, dims, draw_inputs, moe_layer
+from .layer import (DTYPES, _fwd_bwd, _params, add_shape_args, build_forwards, dims, draw_inputs,
+                    moe_layer)
 from .timing import format_table, interleaved
 
 COLUMNS = ["scope", "variant", "saved_bytes_per_token", "saved_over_floor", "peak_bytes",
@@ -180,10 +181,7 @@ def _write_json(path: str, rows: list[dict]) -> None:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="dropless bench memory", description=__doc__.split("\n")[0])
-    ap.add_argument("--shape", choices=["small", "medium", "tiny"], default="small",
-                    help="small: T=4096 d=512 E=64 k=8 f=256; medium: T=4096 d=1024 E=64 k=8 f=512")
-    ap.add_argument("--routing", choices=["balanced", "skewed"], default="balanced")
-    ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    add_shape_args(ap)
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--tokens", type=int, help="T instead of the shape's")
     ap.add_argument("--repeats", type=int, default=5)
