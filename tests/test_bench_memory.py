@@ -127,10 +127,30 @@ def test_bench_memory_tiny_writes_every_key(tmp_path) -> None:
     assert floor < layer < rows[("block", "dropless")]["saved_bytes_per_token"]
 
 
-@pytest.mark.parametrize("argv", [["--tokens", "0"], ["--tokens", "63"], ["--repeats", "0"]])
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+
+
+@pytest.mark.parametrize("argv", [["--tokens", "0"], ["--tokens", "63"], ["--repeats", "0"],
+                                  pytest.param(["--device", "cuda"], marks=NO_CUDA)])
 def test_bench_memory_bad_input(tmp_path, capsys, argv) -> None:
     # T=63 with balanced routing: E=8 does not divide T*K=126 (a ValueError from the routing draw)
     out = tmp_path / "rows.json"
     assert bench.main(["--shape", "tiny", "--device", "cpu", "--json", str(out), *argv]) == 2
     assert capsys.readouterr().err.startswith("dropless bench memory: error: ")
     assert not out.exists() and not list(tmp_path.iterdir())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bench_memory_cuda_reports_peak(tmp_path) -> None:
+    # the CUDA allocator's peak over one fwd+bwd: above what was allocated at the start (weights,
+    # input), and at least the saved bytes (the input among them), all alive at the end of the forward
+    out = tmp_path / "rows.json"
+    assert bench.main(["--shape", "tiny", "--device", "cuda", "--repeats", "1", "--warmup", "0",
+                       "--json", str(out)]) == 0
+    T = bench_layer.SHAPES["tiny"][0]
+    for r in json.loads(out.read_text()):
+        if r["variant"] != "floor":
+            assert r["device"].startswith("cuda")
+            assert 0 < r["peak_over_start_bytes"] < r["peak_bytes"]
+            assert r["peak_bytes"] >= r["saved_bytes_per_token"] * T
