@@ -154,3 +154,29 @@ def test_bench_memory_cuda_reports_peak(tmp_path) -> None:
             assert r["device"].startswith("cuda")
             assert 0 < r["peak_over_start_bytes"] < r["peak_bytes"]
             assert r["peak_bytes"] >= r["saved_bytes_per_token"] * T
+
+
+def test_measure_peak_reads_the_allocator_around_one_warm_call(monkeypatch) -> None:
+    # the CUDA path without a GPU: the allocator's counters faked, the order of events recorded.
+    # One untimed call, gradients dropped, then reset, start, the measured call, the peak.
+    events = []
+    x = torch.randn(2, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(2))
+    row = bench.Row(lambda t: t * w, x, [w])
+
+    def fwd_bwd():
+        events.append("call")
+        x.grad = torch.zeros(2)
+        w.grad = torch.zeros(2)
+
+    def allocated(device):
+        events.append(("start", x.grad is None and w.grad is None))
+        return 1000
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: events.append("reset"))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", allocated)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 1500)
+    assert bench.measure_peak(row, fwd_bwd, torch.device("cuda")) == (1500, 500)
+    assert events == ["call", "reset", ("start", True), "call"]
+    assert bench.measure_peak(row, fwd_bwd, torch.device("cpu")) == (None, None)  # no CPU figure

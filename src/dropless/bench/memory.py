@@ -14,8 +14,8 @@ Columns:
   saves it), divided by T. The loss is not part of it (the forward's output is not saved by the
   layer itself).
 - peak_bytes: `torch.cuda.max_memory_allocated` over one fwd+bwd after a reset (absolute: weights,
-  input and gradients included); peak_over_start_bytes: the same less what was allocated before
-  the call. The CPU allocator reports no peak: both are null there, never an estimate.
+  input and gradients included), after an untimed warm call; peak_over_start_bytes: the same less
+  what was allocated before the call. The CPU allocator reports no peak: both are null there, never an estimate.
 - fwd_bwd_ms: median of --repeats, every row's fwd+bwd timed in turns (bench/timing.py), as in
   `bench layer` (loss = y.float().square().mean(), grads on the input and every parameter).
 - floor_bytes_per_token: the analytic floor of an MoE layer that keeps only its input and its
@@ -67,12 +67,14 @@ def floor_bytes_per_token(d: int, k: int, f: int, elem_size: int, gated: bool = 
     return elem_size * d + elem_size * k * (2 * f if gated else f)
 
 
+@dataclasses.dataclass(frozen=True)
 class Row:
     """A variant to measure: its forward, input leaf, trained parameters, constants to exclude."""
 
-    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
-                 params: list[torch.nn.Parameter], constants: tuple[torch.Tensor, ...] = ()) -> None:
-        self.fn, self.x, self.params, self.constants = fn, x, params, constants
+    fn: Callable[[torch.Tensor], torch.Tensor]
+    x: torch.Tensor
+    params: list[torch.nn.Parameter]
+    constants: tuple[torch.Tensor, ...] = ()
 
 
 def _dropless_block(block: Block, ids_BSK: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor,
@@ -81,15 +83,16 @@ def _dropless_block(block: Block, ids_BSK: torch.Tensor, cos_SF: torch.Tensor, s
 
 
 def _hf_block(block: Block, ids_BSK: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor,
-              x_BSD: torch.Tensor, dtype: torch.dtype) -> Row:
+              x_BSD: torch.Tensor, dtype: torch.dtype) -> Row | None:
+    if not hf_baseline.available():
+        return None
     hf, forward = hf_baseline.build_decoder_layer(block, ids_BSK.reshape(-1, ids_BSK.shape[-1]), dtype)
     return Row(lambda x: forward(x, cos_SF, sin_SF), x_BSD, _params(hf), (cos_SF, sin_SF))
 
 
-# name: builder of the block-scope variant from dropless's block (same weights)
-BLOCK_VARIANTS: dict[str, Callable[..., Row]] = {"dropless": _dropless_block}
-if hf_baseline.available():
-    BLOCK_VARIANTS["hf_transformers"] = _hf_block
+# name: builder of the block-scope variant from dropless's block (same weights); None: not available
+BLOCK_VARIANTS: dict[str, Callable[..., Row | None]] = {"dropless": _dropless_block,
+                                                        "hf_transformers": _hf_block}
 
 
 def build_rows(shape: str, routing: str, dtype: torch.dtype, device: torch.device,
@@ -110,7 +113,9 @@ def build_rows(shape: str, routing: str, dtype: torch.dtype, device: torch.devic
     ids_BSK = host_ids_TK.to(device).view(1, T, K)
     cos_SF, sin_SF = (t.to(device) for t in rotary_tables(T, D // H, cfg.rope_theta))
     for name, build in BLOCK_VARIANTS.items():
-        rows[("block", name)] = build(block, ids_BSK, cos_SF, sin_SF, x_BSD, dtype)
+        row = build(block, ids_BSK, cos_SF, sin_SF, x_BSD, dtype)
+        if row is not None:
+            rows[("block", name)] = row
     meta["n_heads"] = H
     return rows, meta
 
@@ -121,10 +126,16 @@ def measure_saved(row: Row) -> SavedBytes:
     return dataclasses.replace(count, out=None)  # drop the graph now
 
 
-def measure_peak(fwd_bwd: Callable[[], object], device: torch.device) -> tuple[int | None, int | None]:
-    """(peak, peak - allocated at the start) over one call, from the CUDA allocator; None elsewhere."""
+def measure_peak(row: Row, fwd_bwd: Callable[[], object], device: torch.device
+                 ) -> tuple[int | None, int | None]:
+    """(peak, peak - allocated at the start) over one fwd+bwd, from the CUDA allocator; None elsewhere.
+    One untimed call first, so that one-off allocations (library workspaces) fall outside it; the
+    gradients are dropped before the start is read, so the start is weights, input and constants."""
     if device.type != "cuda":
         return None, None
+    fwd_bwd()
+    for t in (row.x, *row.params):
+        t.grad = None
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     start = torch.cuda.memory_allocated(device)
@@ -146,7 +157,7 @@ def run(shape: str, routing: str, dtype: torch.dtype, device: torch.device, repe
     out = []
     for key, r in tqdm(rows.items(), desc="saved bytes, peak", file=sys.stderr):
         saved = measure_saved(r)
-        peak, over = measure_peak(fns[key], device)
+        peak, over = measure_peak(r, fns[key], device)
         out.append({"scope": key[0], "variant": key[1], "saved_bytes_per_token": saved.bytes / T,
                     "saved_over_floor": saved.bytes / T / floor, "peak_bytes": peak,
                     "peak_over_start_bytes": over, "floor_bytes_per_token": floor})
