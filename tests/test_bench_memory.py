@@ -180,3 +180,15 @@ def test_measure_peak_reads_the_allocator_around_one_warm_call(monkeypatch) -> N
     assert bench.measure_peak(row, fwd_bwd, torch.device("cuda")) == (1500, 500)
     assert events == ["call", "reset", ("start", True), "call"]
     assert bench.measure_peak(row, fwd_bwd, torch.device("cpu")) == (None, None)  # no CPU figure
+
+
+def test_layer_counts_the_same_on_the_meta_device() -> None:
+    # what the planner will lean on: the MoE layer's saved bytes counted without allocating (meta)
+    # equal the CPU count, storage for storage
+    counts = {}
+    for device in ("cpu", "meta"):
+        forwards, _ = bench_layer.build_forwards("tiny", "balanced", torch.bfloat16, device=torch.device(device),
+                                                 only=["dropless", "dense_same_shape"])
+        counts[device] = {n: saved_bytes(f.fn, f.x, exclude=f.params).items for n, f in forwards.items()}
+    assert counts["meta"] == counts["cpu"]
+    assert len(counts["cpu"]["dropless"]) > 10
