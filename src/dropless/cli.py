@@ -27,6 +27,7 @@ BENCHMARKS = {
     "precision": "dropless.bench.precision",
     "monitor": "dropless.bench.monitor",
     "generate": "dropless.bench.generate",
+    "memory": "dropless.bench.memory",
 }
 
 

@@ -19,11 +19,13 @@ norm_topk_prob=True), so its router still receives gradients, like `layer(x, rep
 from __future__ import annotations
 
 import types
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from ..layers.moe import MoELayer
+from ..model import Block
 
 
 def _transformers():
@@ -55,16 +57,20 @@ def _forced_router_forward(ids_TK: torch.Tensor):
     return forward
 
 
-def build_block(layer: MoELayer, ids_TK: torch.Tensor, dtype: torch.dtype) -> torch.nn.Module:
-    """A Qwen3MoeSparseMoeBlock with `layer`'s shape and weights, routed by `ids_TK`, in `dtype`."""
-    configuration, modeling = _transformers()
+def _config(layer: MoELayer, **attention):
+    configuration, _ = _transformers()
     cfg = layer.cfg
     D = layer.router.weight.shape[1]
-    hf_cfg = configuration.Qwen3MoeConfig(
+    return configuration.Qwen3MoeConfig(
         hidden_size=D, moe_intermediate_size=cfg.d_expert, num_experts=cfg.num_experts,
         num_experts_per_tok=cfg.top_k, norm_topk_prob=True, hidden_act="silu",
-        experts_implementation="grouped_mm")
-    block = modeling.Qwen3MoeSparseMoeBlock(hf_cfg)
+        experts_implementation="grouped_mm", **attention)
+
+
+def build_block(layer: MoELayer, ids_TK: torch.Tensor, dtype: torch.dtype) -> torch.nn.Module:
+    """A Qwen3MoeSparseMoeBlock with `layer`'s shape and weights, routed by `ids_TK`, in `dtype`."""
+    _, modeling = _transformers()
+    block = modeling.Qwen3MoeSparseMoeBlock(_config(layer))
     with torch.no_grad():
         # HF stores weights as (out, in): gate_up (E, 2F, D) with gate first, down (E, D, F).
         block.experts.gate_up_proj.copy_(layer.experts.w_gate_up_EDF.transpose(1, 2))
@@ -79,3 +85,34 @@ def uses_grouped_mm(block: torch.nn.Module, x_TD: torch.Tensor) -> bool:
     with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         block(x_TD.unsqueeze(0))
     return any("grouped_mm" in e.key for e in prof.key_averages())
+
+
+def build_decoder_layer(block: Block, ids_TK: torch.Tensor, dtype: torch.dtype
+                        ) -> tuple[torch.nn.Module, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]]:
+    """transformers' Qwen3MoeDecoderLayer with `block`'s shape and weights (SDPA attention, the MoE
+    part from `build_block`), and a function of (x_BSD, cos_SF, sin_SF) that runs it like `Block`. Not the same
+    function: Qwen3 normalises each head's q and k (q_norm, k_norm, here with unit weights), which
+    dropless's attention does not; every other weight is `block`'s."""
+    _, modeling = _transformers()
+    attn = block.attn
+    D, H = attn.out.weight.shape[0], attn.n_heads
+    hf_cfg = _config(block.ffn, num_attention_heads=H, num_key_value_heads=H, head_dim=D // H,
+                     rms_norm_eps=block.attn_norm.eps, attn_implementation="sdpa")
+    hf = modeling.Qwen3MoeDecoderLayer(hf_cfg, layer_idx=0)
+    with torch.no_grad():
+        q_DD, k_DD, v_DD = attn.qkv.weight.chunk(3, dim=0)  # dropless's qkv rows: q, then k, then v
+        for proj, w in ((hf.self_attn.q_proj, q_DD), (hf.self_attn.k_proj, k_DD),
+                        (hf.self_attn.v_proj, v_DD), (hf.self_attn.o_proj, attn.out.weight)):
+            proj.weight.copy_(w)
+        hf.input_layernorm.weight.copy_(block.attn_norm.weight)
+        hf.post_attention_layernorm.weight.copy_(block.ffn_norm.weight)
+    hf.mlp = build_block(block.ffn, ids_TK, dtype)
+    hf.to(dtype)
+
+    def forward(x_BSD: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor) -> torch.Tensor:
+        # transformers' tables repeat the frequencies over both halves of the head ([S, Dh], the
+        # same rotate-half convention as dropless's apply_rotary)
+        cos, sin = (torch.cat([t, t], dim=-1).unsqueeze(0).to(dtype) for t in (cos_SF, sin_SF))
+        return hf(x_BSD, position_embeddings=(cos, sin))
+
+    return hf, forward

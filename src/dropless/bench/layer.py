@@ -42,7 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Callable
+from typing import Callable, Collection, NamedTuple
 
 import torch
 
@@ -111,66 +111,105 @@ def _fwd(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Ca
     return run
 
 
-def build_variants(shape: str, routing: str, dtype: torch.dtype, seed: int = 0,
-                   device: torch.device | str = "cpu"
-                   ) -> tuple[dict[str, Variant], dict]:
-    """Every variant as (fwd, fwd_bwd) closures, plus metadata about the routing."""
+class Forward(NamedTuple):
+    """One variant as a function of its input, the input leaf it takes, and the parameters it trains."""
+
+    fn: Callable[[torch.Tensor], torch.Tensor]
+    x: torch.Tensor
+    params: list[torch.nn.Parameter]
+
+
+def dims(shape: str, tokens: int | None = None) -> tuple[int, int, int, int, int]:
+    """(T, D, E, K, F) of a named shape, T replaced by `tokens` when given."""
     T, D, E, K, Fw = SHAPES[shape]
+    if tokens is not None and tokens < 1:
+        raise ValueError(f"--tokens must be >= 1, got {tokens}")
+    return (tokens or T), D, E, K, Fw
+
+
+def draw_inputs(shape: str, routing: str, dtype: torch.dtype, seed: int = 0, device: torch.device | str = "cpu",
+                tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The input leaf x_TD (on `device`) and the forced expert ids (on the host), seeded."""
+    T, D, E, K, _ = dims(shape, tokens)
     gen = torch.Generator().manual_seed(seed)
     host_ids_TK = balanced_ids(T, E, K, gen) if routing == "balanced" else skewed_ids(T, E, K, gen)
     x_TD = torch.randn(T, D, generator=gen).to(device=device, dtype=dtype).requires_grad_(True)
+    return x_TD, host_ids_TK
+
+
+def moe_layer(shape: str, dtype: torch.dtype, seed: int = 0, device: torch.device | str = "cpu",
+              **kw) -> MoELayer:
+    """The bench's MoE layer: same weights for every seed (drawn on the CPU, then moved), router fp32."""
+    _, D, E, K, Fw = SHAPES[shape]
+    torch.manual_seed(seed)
+    layer = MoELayer(D, MoEConfig(num_experts=E, top_k=K, d_expert=Fw, **kw))
+    layer.to(device=device, dtype=dtype)
+    layer.router.float()
+    return layer
+
+
+def build_forwards(shape: str, routing: str, dtype: torch.dtype, seed: int = 0,
+                   device: torch.device | str = "cpu", only: Collection[str] | None = None,
+                   tokens: int | None = None) -> tuple[dict[str, Forward], dict]:
+    """Every variant (or those named in `only`) as a Forward, plus metadata about the routing."""
+    T, D, E, K, Fw = dims(shape, tokens)
+    x_TD, host_ids_TK = draw_inputs(shape, routing, dtype, seed, device, tokens)
     ids_TK = host_ids_TK.to(device)  # the setup statistics below read host_ids_TK
 
     def moe(**kw) -> MoELayer:
-        torch.manual_seed(seed)  # same weights in every MoE variant (drawn on the CPU, then moved)
-        layer = MoELayer(D, MoEConfig(num_experts=E, top_k=K, d_expert=Fw, **kw))
-        layer.to(device=device, dtype=dtype)
-        layer.router.float()
-        return layer
+        return moe_layer(shape, dtype, seed, device, **kw)
 
-    variants: dict[str, Variant] = {}
+    def want(name: str) -> bool:
+        return only is None or name in only
+
+    forwards: dict[str, Forward] = {}
 
     def add(name: str, forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
             params: list[torch.nn.Parameter]) -> None:
-        variants[name] = (_fwd(forward, x), _fwd_bwd(forward, x, params))
+        forwards[name] = Forward(forward, x, params)
 
-    dropless = moe()
-    add("dropless", lambda x: dropless(x, replay_ids=ids_TK).y, x_TD, _params(dropless))
-    if routing == "skewed":
+    dropless = moe()  # always built: the other variants copy its weights
+    if want("dropless"):
+        add("dropless", lambda x: dropless(x, replay_ids=ids_TK).y, x_TD, _params(dropless))
+    if routing == "skewed" and want("dropless@balanced"):
         # The same layer under balanced routing, timed in the same turns: skewed / balanced time of
         # the dropless path is then a ratio within one run, not across two runs on a noisy machine.
         bal_TK = balanced_ids(T, E, K, torch.Generator().manual_seed(seed)).to(device)
         add("dropless@balanced", lambda x: dropless(x, replay_ids=bal_TK).y, x_TD, _params(dropless))
 
-    # The ceiling: P rows (a leaf of their own, so no gather is timed) through expert 0's weights;
-    # the same SwiGLU op as the experts; the K rows of a token are summed (a contiguous reduction, no
-    # weights) so that the loss is taken over T x D values as in every other variant.
-    w1_DF = dropless.experts.w_gate_up_EDF[0].detach().clone().requires_grad_(True)
-    w2_FD = dropless.experts.w_down_EFD[0].detach().clone().requires_grad_(True)
-    x_PD = x_TD.detach().repeat_interleave(K, dim=0).requires_grad_(True)
-    add("dense_same_shape", lambda x: (weighted_swiglu(x @ w1_DF) @ w2_FD).view(T, K, D).sum(1),
-        x_PD, [w1_DF, w2_FD])
+    if want("dense_same_shape"):
+        # The ceiling: P rows (a leaf of their own, so no gather is timed) through expert 0's weights;
+        # the same SwiGLU op as the experts; the K rows of a token are summed (a contiguous reduction,
+        # no weights) so that the loss is taken over T x D values as in every other variant.
+        w1_DF = dropless.experts.w_gate_up_EDF[0].detach().clone().requires_grad_(True)
+        w2_FD = dropless.experts.w_down_EFD[0].detach().clone().requires_grad_(True)
+        x_PD = x_TD.detach().repeat_interleave(K, dim=0).requires_grad_(True)
+        add("dense_same_shape", lambda x: (weighted_swiglu(x @ w1_DF) @ w2_FD).view(T, K, D).sum(1),
+            x_PD, [w1_DF, w2_FD])
 
-    wide = MLP(D, K * Fw).to(device=device, dtype=dtype)
-    add("dense_wide", wide, x_TD, _params(wide))
+    if want("dense_wide"):
+        wide = MLP(D, K * Fw).to(device=device, dtype=dtype)
+        add("dense_wide", wide, x_TD, _params(wide))
 
-    loop = moe(backend="loop")
-    add("loop_reference", lambda x: loop(x, replay_ids=ids_TK).y, x_TD, _params(loop))
+    if want("loop_reference"):
+        loop = moe(backend="loop")
+        add("loop_reference", lambda x: loop(x, replay_ids=ids_TK).y, x_TD, _params(loop))
 
     # Smallest factor whose capacity C = ceil(factor * P / E) equals the largest load: drops nothing.
     max_load = int(torch.bincount(host_ids_TK.reshape(-1), minlength=E).max())
     factor = max_load * E / (T * K)
     while P.capacity(T, K, E, factor) < max_load:
         factor *= 1 + 1e-9
-    padded = moe(capacity_factor=factor)
-    add("padded_capacity", lambda x: padded(x, replay_ids=ids_TK).y, x_TD, _params(padded))
+    if want("padded_capacity"):
+        padded = moe(capacity_factor=factor)
+        add("padded_capacity", lambda x: padded(x, replay_ids=ids_TK).y, x_TD, _params(padded))
 
     meta = {"shape": shape, "T": T, "d": D, "E": E, "k": K, "f": Fw, "routing": routing,
             "dtype": str(dtype).removeprefix("torch."), "device": str(device),
             "max_vio": max_vio(host_ids_TK, E),
             "capacity_factor": factor,
             "zipf_exponent": ZIPF_EXPONENT if routing == "skewed" else None}
-    if hf_baseline.available():
+    if hf_baseline.available() and want("hf_transformers"):
         block = hf_baseline.build_block(dropless, ids_TK, dtype).to(device)
         if not hf_baseline.uses_grouped_mm(block, x_TD.detach()):
             raise RuntimeError("the transformers block did not run grouped_mm; refusing to time it")
@@ -179,7 +218,15 @@ def build_variants(shape: str, routing: str, dtype: torch.dtype, seed: int = 0,
             y_ours = dropless(x_TD, replay_ids=ids_TK).y.float()
         meta["hf_rel_diff"] = float((y_hf - y_ours).norm() / y_ours.norm())
         add("hf_transformers", lambda x: block(x.unsqueeze(0)).squeeze(0), x_TD, _params(block))
-    return variants, meta
+    return forwards, meta
+
+
+def build_variants(shape: str, routing: str, dtype: torch.dtype, seed: int = 0,
+                   device: torch.device | str = "cpu"
+                   ) -> tuple[dict[str, Variant], dict]:
+    """Every variant as (fwd, fwd_bwd) closures, plus metadata about the routing."""
+    forwards, meta = build_forwards(shape, routing, dtype, seed, device)
+    return {name: (_fwd(f.fn, f.x), _fwd_bwd(f.fn, f.x, f.params)) for name, f in forwards.items()}, meta
 
 
 def run(shape: str, routing: str, dtype: torch.dtype, repeats: int, warmup: int,
@@ -205,12 +252,17 @@ def run(shape: str, routing: str, dtype: torch.dtype, repeats: int, warmup: int,
     return rows, meta
 
 
-def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="dropless bench layer", description=__doc__.split("\n")[0])
+def add_shape_args(ap: argparse.ArgumentParser) -> None:
+    """--shape, --routing, --dtype: the layer benches' common choices."""
     ap.add_argument("--shape", choices=["small", "medium", "tiny"], default="small",
                     help="small: T=4096 d=512 E=64 k=8 f=256; medium: T=4096 d=1024 E=64 k=8 f=512")
     ap.add_argument("--routing", choices=["balanced", "skewed"], default="balanced")
     ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="dropless bench layer", description=__doc__.split("\n")[0])
+    add_shape_args(ap)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--skip", default="", help="comma-separated variants not to time (e.g. loop_reference, "
