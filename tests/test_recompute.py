@@ -193,7 +193,7 @@ def test_no_checkpoint_without_autograd(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(recompute, "checkpoint", refuse)
     cfg = model_cfg()
     with torch.no_grad():
-        assert torch.equal(build(cfg, []) (tokens()).logits, build(cfg, ["layer"])(tokens()).logits)
+        assert torch.equal(build(cfg, [])(tokens()).logits, build(cfg, ["layer"])(tokens()).logits)
 
 
 def test_trainer_losses_identical_with_layer_recompute(tmp_path: Path) -> None:

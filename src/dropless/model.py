@@ -22,6 +22,7 @@ distributed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -125,7 +126,8 @@ class Block(nn.Module):
     def _forward(self, x: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor,
                  replay_ids: torch.Tensor | None, token_ids: torch.Tensor | None, kv: LayerKVCache | None,
                  mask_B1SL: torch.Tensor | None, modes: frozenset[str]) -> BlockOutput:
-        def part(mode: str, fn, *args):  # fn(*args), recomputed in the backward when `mode` is set
+        def part(mode: str, fn: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
+            # fn(*args), its activations recomputed in the backward when `mode` is listed
             return recompute.recomputed(fn, *args) if mode in modes else fn(*args)
 
         h = part("norm", self.attn_norm, x)
