@@ -44,7 +44,8 @@ ROUTERS = {
     "forced_balance": ["model.moe.router.strategy=forced_balance"],
     "hash": ["model.moe.router.strategy=hash"],
 }
-MODES = [["layer"], ["full"], ["moe"], ["attn"], ["norm"], ["attn", "norm", "moe"]]
+MODES = [["layer"], ["full"], ["moe"], ["attn"], ["norm"], ["shared_experts"], ["attn", "norm", "moe"],
+         ["attn", "norm", "shared_experts"]]
 
 
 def build(cfg: ModelConfig, recompute: list[str]) -> MoEModel:
@@ -177,8 +178,9 @@ def test_layer_recompute_keeps_fewer_bytes() -> None:
     base = held_bytes(build(cfg, []), tok)
     layer = held_bytes(build(cfg, ["layer"]), tok)
     moe = held_bytes(build(cfg, ["moe"]), tok)
+    shared = held_bytes(build(cfg, ["shared_experts"]), tok)
     logits = 4 * 32 * 256 * 4
-    assert layer < moe < base
+    assert layer < moe < shared < base
     # per block, `layer` keeps its input (B*S*D fp32) and the ids (B*S*K int64) and little else
     assert layer - 2 * logits < 0.25 * (base - 2 * logits), (base, moe, layer)
 
@@ -217,7 +219,7 @@ def test_resume_may_switch_recompute_on(tmp_path: Path, monkeypatch: pytest.Monk
 @pytest.mark.parametrize("value, words", [
     ('["attention"]', "must be one of"),
     ('["moe_act"]', "not implemented yet"),
-    ('["shared_experts"]', "not implemented yet"),
+    ('["shared_experts", "moe"]', "recomputes the shared experts already"),
     ('["layer", "moe"]', "recomputes the whole block"),
     ('["full", "norm"]', "recomputes the whole block"),
     ('["moe", "moe"]', "twice"),
@@ -238,6 +240,11 @@ def test_recompute_names_validated(value: str, words: str) -> None:
 def test_recompute_refuses_what_it_cannot_replay(extra: list[str], modes: str) -> None:
     with pytest.raises(ValueError, match="model.recompute"):
         load_config(None, TINY + [f"model.recompute={modes}"] + extra)
+
+
+def test_shared_experts_recompute_needs_shared_experts() -> None:
+    with pytest.raises(ValueError, match="n_shared_experts=0"):
+        load_config(None, TINY + ['model.recompute=["shared_experts"]'])
 
 
 def test_attn_and_norm_recompute_take_any_strategy() -> None:

@@ -362,8 +362,8 @@ class ModelConfig:
         return self.n_layers - self.n_dense_layers
 
 
-RECOMPUTE = ("layer", "full", "moe", "attn", "norm")
-RECOMPUTE_NOT_YET = ("moe_act", "shared_experts")  # issue 12's names, not built yet: refused
+RECOMPUTE = ("layer", "full", "moe", "attn", "norm", "shared_experts")
+RECOMPUTE_NOT_YET = ("moe_act",)  # issue 12's name, not built yet: refused
 
 
 def check_recompute(modes: list[str], moe: MoEConfig) -> None:
@@ -383,6 +383,10 @@ def check_recompute(modes: list[str], moe: MoEConfig) -> None:
     whole = [m for m in modes if m in ("layer", "full")]
     if whole and len(modes) > 1:
         _fail(f, modes, f"{whole[0]!r} recomputes the whole block: list it alone or the finer modes")
+    if "shared_experts" in modes and "moe" in modes:
+        _fail(f, modes, "'moe' recomputes the shared experts already: list one of them")
+    if "shared_experts" in modes and not moe.shared_width:
+        _fail(f, modes, f"with model.moe.n_shared_experts={moe.n_shared_experts}: no shared experts")
     if whole or "moe" in modes:
         r = moe.router
         if r.strategy in ("expert_choice", "expert_threshold"):

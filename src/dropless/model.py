@@ -108,6 +108,8 @@ class Block(nn.Module):
         self.ffn: nn.Module = (MoELayer(cfg.d_model, m) if moe else
                                MLP(cfg.d_model, cfg.d_ff_dense, m.activation, m.act_clamp, m.act_softcap))
         self.recompute = recompute.modes_of(cfg.recompute)  # layers/recompute.py
+        if moe:  # inside the MoE layer: it checkpoints its shared experts itself
+            self.ffn.recompute_shared = "shared_experts" in self.recompute
 
     @property
     def is_moe(self) -> bool:

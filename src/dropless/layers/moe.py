@@ -23,7 +23,7 @@ from torch import nn
 
 from ..config import MoEConfig
 from ..ops import routing
-from . import balance, decode_experts
+from . import balance, decode_experts, recompute
 from .dispatch import DispatchMeta, Dispatcher, build_dispatcher
 from .experts import ExpertBatch, GroupedExperts, resolve_backend
 from .mlp import MLP
@@ -112,6 +112,7 @@ class MoELayer(nn.Module):
         # (and its EP twin, distributed.ep.build_ep_dispatcher) honours it
         self.dispatcher: Dispatcher = dispatcher or build_dispatcher(cfg, self.experts)
         self.detailed_stats = False  # set by the trainer on log steps
+        self.recompute_shared = False  # model.recompute "shared_experts", set by the model's Block
         # calls of at most this many tokens take the decode path (decode_experts.py; 0 = never,
         # None = the measured default of the device, without autograd only)
         self.decode_max_tokens: int | None = None
@@ -133,7 +134,10 @@ class MoELayer(nn.Module):
             y_RD = self.experts(batch)
             y_TD = self.dispatcher.combine(y_RD, meta)
         if self.shared is not None:
-            y_TD = y_TD + self.shared(x_TD)
+            if self.recompute_shared and torch.is_grad_enabled():  # layers/recompute.py
+                y_TD = y_TD + recompute.recomputed(self.shared, x_TD)
+            else:
+                y_TD = y_TD + self.shared(x_TD)
         E, K = self.cfg.num_experts, self.cfg.top_k
         counts_E = routing.expert_counts(decision.ids_TK, E, decision.valid_TK)
         probs_TE = routing.router_probs(decision.scores_TE, self.cfg.router.score_func)

@@ -9,6 +9,7 @@ by its inputs, and the backward reruns the region to get them back):
     moe                 the MoE layer: router GEMM, dispatch, experts, combine, shared experts
     attn                the attention module (qkv, rotary, SDPA, output projection)
     norm                the block's two RMSNorms
+    shared_experts      the MoE layer's shared-expert MLP (the layer checkpoints it itself)
 
 Routing in the recompute. A recomputed MoE layer must compute exactly what its forward computed, or
 the gradients belong to a different function. Rerunning the router would re-decide the experts: a
