@@ -156,8 +156,24 @@ def test_record_routing_refused_for_masked_strategies() -> None:
 
     model = small_model(router=RouterConfig(strategy="expert_choice", score_func="sigmoid"))
     with pytest.raises(ValueError, match="expert_choice"):
-        generate(model, PROMPTS, 2, record_routing=True)
-    assert len(generate(model, PROMPTS, 2).tokens[0]) == 2  # generation itself runs
+        generate(model, PROMPTS, 2, record_routing=True, use_cache=False)
+    assert len(generate(model, PROMPTS, 2, use_cache=False).tokens[0]) == 2  # generation itself runs
+
+
+@pytest.mark.parametrize("moe", [dict(router={"strategy": "expert_choice", "score_func": "sigmoid"}),
+                                 dict(capacity_factor=1.0)], ids=["expert_choice", "capacity"])
+def test_cache_refused_where_routing_depends_on_the_call(moe: dict) -> None:
+    """Expert choice and a capacity-limited layer route among all the tokens of a call: a one-token
+    decode step (or a prompt beside others) meets other experts than the full forward. The cache is
+    refused for them, naming the field; the recompute path (each sequence alone) runs."""
+    from dropless.config import RouterConfig
+
+    if "router" in moe:
+        moe = dict(router=RouterConfig(**moe["router"]))
+    model = small_model(**moe)
+    with pytest.raises(ValueError, match="expert_choice|capacity_factor"):
+        generate(model, PROMPTS, 2)
+    assert len(generate(model, PROMPTS, 2, use_cache=False).tokens[0]) == 2
 
 
 def test_sampling_dataclass_matches_generate_checks() -> None:

@@ -101,6 +101,16 @@ def test_bench_generate_runs_on_a_run_with_longer_contexts(run_dir: Path, tmp_pa
     assert "speedup" in capsys.readouterr().out
 
 
+def test_bench_generate_bf16_has_no_path_table(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Under autocast the decode path steps aside, so a path table would time the grouped path twice
+    and label half of it "decode": a bf16 run prints none and says why."""
+    out = tmp_path / "bench.json"
+    assert bench_main(["--run-dir", str(run_dir), "--device", "cpu", "--dtype", "bf16", "--contexts", "8",
+                       "--path-batches", "1", "--repeats", "1", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["moe_paths"] == []
+    assert "no MoE path table under --dtype bf16" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("args,flag", [(["--contexts", "0,8"], "--contexts"), (["--batch", "0"], "--batch"),
                                        (["--config", "nope"], "--config"), (["--dtype", "x"], "--dtype")])
 def test_bench_bad_flags(tmp_path: Path, capsys: pytest.CaptureFixture, args: list[str], flag: str) -> None:

@@ -200,3 +200,14 @@ def test_evaluate_bad_input(run_dir: Path, tmp_path: Path, capsys: pytest.Captur
 def test_evaluate_missing_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert evaluate_cli.main(["--run-dir", str(tmp_path / "nope")]) == 2
     assert "dropless evaluate: error: no complete checkpoint" in capsys.readouterr().err
+
+
+def test_sweep_rows_stay_inside_the_experts_group_limited_routing_can_choose() -> None:
+    """E=16, k=4, 4 groups of which 1 is eligible: 4 experts can be chosen, so K2 = 2k = 8 is not a
+    row (serving_top_k refuses it, and one refused row used to end the whole sweep)."""
+    cfg = ModelConfig(d_model=32, n_layers=2, n_heads=2, moe=MoEConfig(
+        num_experts=16, top_k=4, d_expert=16, router=RouterConfig(n_groups=4, topk_groups=1)))
+    rows = evaluate_cli.sweep_settings(cfg)
+    assert all(k2 is None or k2 <= 4 for _, k2, _ in rows) and (1, 4, "mass") in rows
+    for k1, k2, renorm in rows[1:]:
+        serving_top_k(cfg, k1, k2, renorm)  # every row is a setting the serving map accepts

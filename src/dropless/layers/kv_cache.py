@@ -18,7 +18,11 @@ step writes column `length` for all of them. A padding key is masked out of ever
 padding query attends to itself only, so that no row of the mask is entirely False (softmax over
 nothing: torch 2.13's CPU kernels define it as a zero row, measured, but older versions and other
 backends gave NaN, which a padding row would then carry into the MoE router). Padding rows still go
-through the MoE layers: routing is per token, so they change no real token's result.
+through the MoE layers: token-choice routing is per token, so they change no real token's result.
+Routing that depends on the other tokens of a call (expert choice; a capacity-limited layer, which
+drops by position or score among the call's pairs) would route a one-token decode step otherwise
+than the full forward, and a prompt otherwise beside others: serve/generate.py refuses the cache for
+those models (the recompute path runs each sequence alone).
 """
 
 from __future__ import annotations

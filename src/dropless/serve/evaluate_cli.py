@@ -39,8 +39,10 @@ Setting = tuple[int | None, int | None, str]  # (k1, k2, renorm) as given to ser
 
 def sweep_settings(model_cfg: ModelConfig) -> list[Setting]:
     """The table's rows: the trained model, then for each K1 < k the mass rule at K2 in {K1, k, 2k}
-    (K2 <= E; none when the weights are never normalised) and the kept renormalisation."""
-    k, E = model_cfg.moe.top_k, model_cfg.moe.num_experts
+    (K2 at most the experts the routing can choose from: E, or the experts group-limited routing
+    leaves eligible; none when the weights are never normalised) and the kept renormalisation."""
+    k, r = model_cfg.moe.top_k, model_cfg.moe.router
+    E = r.topk_groups * (model_cfg.moe.num_experts // r.n_groups)
     rows: list[Setting] = [(None, None, "mass")]
     for k1 in range(1, k):
         if normalises(model_cfg):

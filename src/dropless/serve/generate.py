@@ -22,6 +22,8 @@ Legend: B sequences, P longest prompt, V vocabulary, L_moe MoE layers, K experts
   paths, so equal logits give equal tokens.
 The two paths run different batch shapes through the BLAS, so their logits agree to the fp32 noise
 floor, not bit for bit (docs/numerics.md); greedy tokens agree unless two logits are that close.
+The cache is refused for models whose routing depends on the other tokens of a call (expert choice;
+a capacity-limited layer): a one-token step would meet other experts than the full forward.
 
 Stop sequences (token id lists, or strings encoded with the tokenizer: the byte tokenizer matches
 strings exactly; a BPE tokenizer may spell the same text with other tokens, which is not caught) end
@@ -161,6 +163,14 @@ def _check(model: MoEModel, prompts: list[list[int]], max_new_tokens: int, use_c
             f"the new tokens exceed model.max_seq_len={S_max}, the positions the model has; "
             + ("the recompute path (--no-cache) crops the context instead" if use_cache and not record_routing
                else "recording routing needs every token in one context"))
+    moe = model.cfg.moe
+    if use_cache and model.moe_layers() and (moe.router.strategy == "expert_choice"
+                                             or moe.capacity_factor is not None):
+        what = ("model.moe.router.strategy='expert_choice'" if moe.router.strategy == "expert_choice"
+                else f"model.moe.capacity_factor={moe.capacity_factor}")
+        raise ValueError(f"use_cache (the KV cache) with {what}: each MoE call routes among all its tokens, "
+                         "so a one-token decode step (and a prompt beside others in a batch) would meet "
+                         "other experts than the full forward; generate with --no-cache (use_cache=False)")
     if record_routing and model.moe_layers() and model.cfg.moe.router.strategy in MASKED_STRATEGIES:
         raise ValueError(f"record_routing (--record-routing) with model.moe.router.strategy={model.cfg.moe.router.strategy!r}: "
                          "its choices depend on the whole batch, a record of ids cannot replay them")
