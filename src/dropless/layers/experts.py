@@ -71,32 +71,42 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.w_gate_up_EDF, std=self.w_gate_up_EDF.shape[1] ** -0.5)
         nn.init.normal_(self.w_down_EFD, std=self.w_down_EFD.shape[1] ** -0.5)
 
-    def _gemm(self, x_RD: torch.Tensor, w_EDF: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:
-        if self.precision != quant_gemm.FULL_PRECISION:
-            return quant_gemm.quant_grouped_mm(x_RD, w_EDF, batch.offsets_E, self.precision)
-        if self.backend == "grouped_mm":
-            return grouped_gemm.grouped_mm(x_RD, w_EDF, batch.offsets_E)
-        if self.backend == "padded_bmm":
-            if batch.capacity is None:
-                raise ValueError("backend='padded_bmm' needs the capacity layout (capacity_factor set)")
-            return grouped_gemm.padded_bmm(x_RD, w_EDF, batch.capacity)
-        if self.backend == "loop":
-            return grouped_gemm.grouped_mm_reference(x_RD, w_EDF, batch.offsets_E)
-        raise ValueError(f"backend={self.backend!r}: must be grouped_mm, loop or padded_bmm")
-
     def forward(self, batch: ExpertBatch) -> torch.Tensor:
-        x_RD, w1, w2 = batch.x_RD, self.w_gate_up_EDF, self.w_down_EFD
-        dev = x_RD.device.type
-        if autocast_available(dev) and torch.is_autocast_enabled(dev):
-            dtype = torch.get_autocast_dtype(dev)
-            x_RD, w1, w2 = x_RD.to(dtype), w1.to(dtype), w2.to(dtype)
-        elif x_RD.dtype != w1.dtype:
-            x_RD = x_RD.to(w1.dtype)
-        h_R2F = self._gemm(x_RD, w1, batch)
-        if self.kind == "swiglu" and self.clamp is None and self.softcap is None:
-            h_RF = weighted_swiglu(h_R2F, batch.weights_R)
-        else:
-            h_RF = activation(h_R2F, self.kind, self.clamp, self.softcap)
-            if batch.weights_R is not None:
-                h_RF = h_RF * batch.weights_R.to(h_RF.dtype).unsqueeze(-1)
-        return self._gemm(h_RF, w2, batch)
+        return run_experts(self, batch.x_RD, self.w_gate_up_EDF, self.w_down_EFD, batch)
+
+
+def expert_gemm(x_RD: torch.Tensor, w_EDF: torch.Tensor, batch: ExpertBatch, backend: str,
+                precision: str) -> torch.Tensor:
+    """One grouped GEMM of the batch's rows by their experts' weights, on `backend` (module note)."""
+    if precision != quant_gemm.FULL_PRECISION:
+        return quant_gemm.quant_grouped_mm(x_RD, w_EDF, batch.offsets_E, precision)
+    if backend == "grouped_mm":
+        return grouped_gemm.grouped_mm(x_RD, w_EDF, batch.offsets_E)
+    if backend == "padded_bmm":
+        if batch.capacity is None:
+            raise ValueError("backend='padded_bmm' needs the capacity layout (capacity_factor set)")
+        return grouped_gemm.padded_bmm(x_RD, w_EDF, batch.capacity)
+    if backend == "loop":
+        return grouped_gemm.grouped_mm_reference(x_RD, w_EDF, batch.offsets_E)
+    raise ValueError(f"backend={backend!r}: must be grouped_mm, loop or padded_bmm")
+
+
+def run_experts(spec: GroupedExperts | nn.Module, x_RD: torch.Tensor, w1_EDW: torch.Tensor,
+                w2_EFD: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:
+    """The expert MLP over a batch: autocast cast, first GEMM, (weighted) activation, down GEMM.
+    `spec` supplies kind, clamp, softcap, backend and precision (GroupedExperts, or PackedExperts with
+    its dequantised weights and the batch cut to the experts that have rows)."""
+    dev = x_RD.device.type
+    if autocast_available(dev) and torch.is_autocast_enabled(dev):
+        dtype = torch.get_autocast_dtype(dev)
+        x_RD, w1_EDW, w2_EFD = x_RD.to(dtype), w1_EDW.to(dtype), w2_EFD.to(dtype)
+    elif x_RD.dtype != w1_EDW.dtype:
+        x_RD = x_RD.to(w1_EDW.dtype)
+    h_R2F = expert_gemm(x_RD, w1_EDW, batch, spec.backend, spec.precision)
+    if spec.kind == "swiglu" and spec.clamp is None and spec.softcap is None:
+        h_RF = weighted_swiglu(h_R2F, batch.weights_R)
+    else:
+        h_RF = activation(h_R2F, spec.kind, spec.clamp, spec.softcap)
+        if batch.weights_R is not None:
+            h_RF = h_RF * batch.weights_R.to(h_RF.dtype).unsqueeze(-1)
+    return expert_gemm(h_RF, w2_EFD, batch, spec.backend, spec.precision)

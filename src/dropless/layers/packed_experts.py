@@ -42,10 +42,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops import grouped_gemm, quant_gemm
-from ..ops.activations import activation, is_gated, weighted_swiglu
+from ..ops import quant_gemm
+from ..ops.activations import is_gated
 from ..ops.quant import FORMATS, QTensor, dequantize, quantize
-from .experts import ExpertBatch, GroupedExperts
+from .experts import ExpertBatch, GroupedExperts, run_experts
 
 PACKED_FORMATS: tuple[str, ...] = ("mxfp4", "nvfp4")
 _WEIGHTS = ("gate_up", "down")
@@ -149,20 +149,6 @@ class PackedExperts(nn.Module):
         """Bytes one expert's packed weights occupy (codes, block scales, tensor scales)."""
         return sum(b.numel() * b.element_size() for b in self.buffers()) // self.num_experts
 
-    def _gemm(self, x_RD: torch.Tensor, w_ADF: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:
-        # GroupedExperts._gemm over the A dequantised experts (batch's offsets already cut to A groups)
-        if self.precision != quant_gemm.FULL_PRECISION:
-            return quant_gemm.quant_grouped_mm(x_RD, w_ADF, batch.offsets_E, self.precision)
-        if self.backend == "grouped_mm":
-            return grouped_gemm.grouped_mm(x_RD, w_ADF, batch.offsets_E)
-        if self.backend == "padded_bmm":
-            if batch.capacity is None:
-                raise ValueError("backend='padded_bmm' needs the capacity layout (capacity_factor set)")
-            return grouped_gemm.padded_bmm(x_RD, w_ADF, batch.capacity)
-        if self.backend == "loop":
-            return grouped_gemm.grouped_mm_reference(x_RD, w_ADF, batch.offsets_E)
-        raise ValueError(f"backend={self.backend!r}: must be grouped_mm, loop or padded_bmm")
-
     def forward(self, batch: ExpertBatch) -> torch.Tensor:
         if self.training:
             raise RuntimeError("PackedExperts is inference-only (4-bit stored experts, a host read per "
@@ -179,18 +165,4 @@ class PackedExperts(nn.Module):
             # the empty groups hold no rows, so the non-empty groups' ends tile the same rows
             sub = ExpertBatch(batch.x_RD, batch.offsets_E[ids_A], None, batch.weights_R)
         w1, w2 = self.dequantized(ids_A)
-        x_RD = sub.x_RD
-        dev = x_RD.device.type
-        if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
-            dtype = torch.get_autocast_dtype(dev)
-            x_RD, w1, w2 = x_RD.to(dtype), w1.to(dtype), w2.to(dtype)
-        elif x_RD.dtype != w1.dtype:
-            x_RD = x_RD.to(w1.dtype)
-        h_R2F = self._gemm(x_RD, w1, sub)
-        if self.kind == "swiglu" and self.clamp is None and self.softcap is None:
-            h_RF = weighted_swiglu(h_R2F, sub.weights_R)
-        else:
-            h_RF = activation(h_R2F, self.kind, self.clamp, self.softcap)
-            if sub.weights_R is not None:
-                h_RF = h_RF * sub.weights_R.to(h_RF.dtype).unsqueeze(-1)
-        return self._gemm(h_RF, w2, sub)
+        return run_experts(self, sub.x_RD, w1, w2, sub)
