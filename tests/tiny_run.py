@@ -51,3 +51,18 @@ def crash_at(trainer: Trainer, crash_step: int, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(trainer, "train_step", crashing)
     with pytest.raises(KeyboardInterrupt):
         trainer.fit()
+
+
+def check_crash_resume(tmp_path: Path, extra: tuple[str, ...], crash_step: int, ckpt_step: int,
+                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """An uninterrupted run and one killed at `crash_step`, then resumed from its step-`ckpt_step`
+    checkpoint, write the same losses and every value of every routing.jsonl row."""
+    from dropless.train import checkpoint as ckpt
+
+    full, broken = tmp_path / "full", tmp_path / "broken"
+    Trainer(tiny(*extra), full).fit()
+    crash_at(Trainer(tiny(*extra), broken), crash_step, monkeypatch)
+    assert ckpt.latest_checkpoint(broken).name == ckpt.checkpoint_name(ckpt_step)
+    Trainer(tiny(*extra), broken, resume=True).fit()
+    assert rows(full, "loss") == rows(broken, "loss")
+    assert (full / "routing.jsonl").read_text() == (broken / "routing.jsonl").read_text()

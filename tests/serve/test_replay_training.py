@@ -13,11 +13,10 @@ import torch
 
 from dropless.model import MoEModel
 from dropless.serve.routing_record import RoutingRecord
-from dropless.train import checkpoint as ckpt
 from dropless.train.loop import Trainer
 from dropless.train.replay_data import IGNORE_INDEX, ReplayData
 from dropless.train.run import main as train_main
-from tiny_run import TINY, crash_at, rows, tiny
+from tiny_run import TINY, check_crash_resume, rows, tiny
 from tolerances import REFERENCE
 
 CFG = ["model.n_layers=3", "train.steps=8", "train.eval_every=100", "train.ckpt_every=100"]  # MoE blocks 1, 2
@@ -119,14 +118,7 @@ def test_order_visits_every_sequence_once_per_epoch_and_restarts_with_a_new_reco
 def test_a_resumed_replay_run_continues_where_the_uninterrupted_run_was(tmp_path: Path, monkeypatch) -> None:
     expert_01_record(tmp_path / "r.rec", lengths=[33, 30, 25, 20, 15, 33, 28])
     extra = (*CFG, f"data.replay_routing={tmp_path / 'r.rec'}", "train.steps=10", "train.ckpt_every=5")
-    full = tmp_path / "full"
-    Trainer(tiny(*extra), full).fit()
-    broken = tmp_path / "broken"
-    crash_at(Trainer(tiny(*extra), broken), 7, monkeypatch)
-    assert ckpt.latest_checkpoint(broken).name == ckpt.checkpoint_name(5)
-    Trainer(tiny(*extra), broken, resume=True).fit()
-    assert rows(full, "loss") == rows(broken, "loss")
-    assert (full / "routing.jsonl").read_text() == (broken / "routing.jsonl").read_text()
+    check_crash_resume(tmp_path, extra, 7, 5, monkeypatch)
 
 
 def test_rl_loop_resumes_a_trained_run_on_a_new_record(tmp_path: Path, capsys) -> None:

@@ -20,7 +20,7 @@ from dropless.train.loop import Trainer
 from dropless.train.resume import check_resume_config
 from dropless.train import run as run_module
 from dropless.train.run import main as train_main
-from tiny_run import crash_at, rows, tiny
+from tiny_run import check_crash_resume, crash_at, rows, tiny
 
 
 # -- the routing log's running sums are part of the checkpoint ------------------------------------
@@ -30,15 +30,8 @@ def test_routing_log_is_exact_when_a_checkpoint_falls_inside_a_log_interval(
     # log steps 0, 2, 5, 8, 11; checkpoints after steps 5, 10, 12: the step-10 checkpoint holds step 9
     # of the interval 9..11, which the step-11 row must still count after a resume
     extra = ("train.steps=12", "log.log_every=3", "train.ckpt_every=5", "train.keep_last=5")
-    full = tmp_path / "full"
-    Trainer(tiny(*extra), full).fit()
-    broken = tmp_path / "broken"
-    crash_at(Trainer(tiny(*extra), broken), 11, monkeypatch)
-    assert ckpt.latest_checkpoint(broken).name == ckpt.checkpoint_name(10)
-    Trainer(tiny(*extra), broken, resume=True).fit()
-    assert rows(full, "loss") == rows(broken, "loss")
-    # every value of every row (counts, sums, maxvio, flip rates) as the uninterrupted run wrote it
-    assert (full / "routing.jsonl").read_text() == (broken / "routing.jsonl").read_text()
+    # every routing row (counts, sums, maxvio, flip rates) as the uninterrupted run wrote it
+    check_crash_resume(tmp_path, extra, 11, 10, monkeypatch)
 
 
 def _accumulator(seed: int) -> StepAccumulator:
