@@ -234,7 +234,6 @@ def test_recompute_names_validated(value: str, words: str) -> None:
     ["model.moe.router.strategy=expert_choice"],
     ["model.moe.router.strategy=expert_threshold"],
     ["model.moe.router.norm_top_k=3"],
-    ["parallel.ep_size=2"],
 ])
 @pytest.mark.parametrize("modes", ['["layer"]', '["moe"]'])
 def test_recompute_refuses_what_it_cannot_replay(extra: list[str], modes: str) -> None:

@@ -135,6 +135,8 @@ class ModelConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
     # activation recompute by module name (layers/recompute.py, docs/memory.md): any of RECOMPUTE
     recompute: list[str] = field(default_factory=list)
+    # activation offload to host memory by module name (layers/offload.py, docs/memory.md): any of OFFLOAD
+    offload: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):
@@ -154,6 +156,7 @@ class ModelConfig:
                 _fail(f"model.{name}", getattr(self, name), "must be >= 0")
         self.moe.validate("model.moe")
         check_recompute(self.recompute, self.moe)
+        check_offload(self.offload, self.recompute)
         block = PRECISION_WIDTH_BLOCK.get(self.moe.precision)
         if block and self.n_moe_layers:
             for name, width in (("model.d_model", self.d_model), ("model.moe.d_expert", self.moe.d_expert)):
@@ -199,6 +202,40 @@ def check_recompute(modes: list[str], moe: MoEConfig) -> None:
         if r.norm_top_k is not None:
             _fail(f, modes, f"with model.moe.router.norm_top_k={r.norm_top_k}: the replayed ids do "
                   "not give the norm_top_k denominator")
+
+
+OFFLOAD = ("layer", "attn", "attn_input", "norm", "moe", "experts")
+# each scope's enclosing scope: two names overlap when one is the other or encloses it
+_SCOPE_PARENT = {"attn": "layer", "norm": "layer", "moe": "layer", "attn_input": "attn",
+                 "experts": "moe", "shared_experts": "moe", "full": "layer"}
+
+
+def _scopes(name: str) -> set[str]:
+    out = {"layer" if name == "full" else name}
+    while name in _SCOPE_PARENT:
+        name = _SCOPE_PARENT[name]
+        out.add(name)
+    return out
+
+
+def check_offload(names: list[str], recompute: list[str]) -> None:
+    """Offload scopes must not overlap each other nor a recomputed scope (layers/offload.py says why)."""
+    f = "model.offload"
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        _fail(f, names, "must be a list of names")
+    for n in names:
+        if n == "expert_fc1_input":
+            _fail(f, n, "is not a module scope (the experts' first GEMM is a function inside them); "
+                  "'experts' offloads everything the routed experts save, their input rows included")
+        _choice(f, n, OFFLOAD)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            if a in _scopes(b) or b in _scopes(a):
+                _fail(f, names, f"{a!r} and {b!r} overlap: list the outer one or the inner one")
+        for r in recompute:
+            if a in _scopes(r) or ("layer" if r == "full" else r) in _scopes(a):
+                _fail(f, names, f"{a!r} overlaps model.recompute {r!r}: a scope is either recomputed "
+                      "or offloaded")
 
 
 @dataclass
@@ -306,9 +343,6 @@ class RunConfig:
         if self.data.tokenizer == "byte" and self.model.vocab_size < 256:  # (hf: checked on loading it)
             _fail("model.vocab_size", self.model.vocab_size, "is below the 256 ids of data.tokenizer='byte'")
         self.parallel.check_run(self.model.moe, self.train)
-        if self.model.recompute and self.parallel.ep_size > 1:
-            _fail("model.recompute", self.model.recompute, f"with parallel.ep_size={self.parallel.ep_size}: "
-                  "recompute under expert parallelism is not implemented yet (docs/memory.md)")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:

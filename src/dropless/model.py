@@ -15,6 +15,8 @@ position for the rotary tables, and which tokens are padding; the training call 
 and runs exactly the code it ran before (causal SDPA over [S, F] tables).
 Activation recompute (`cfg.recompute`, layers/recompute.py) wraps parts of a block in a checkpoint;
 a recomputed MoE layer replays the expert ids its forward chose, so it never re-routes.
+Activation offload (`cfg.offload`, layers/offload.py) runs parts of a block inside saved-tensor
+hooks that move what autograd saves to host memory; the model owns the one `Offloader` (its counter).
 Parallelism (expert parallel, FSDP) is applied to this model from outside; nothing here is
 distributed.
 """
@@ -22,17 +24,19 @@ distributed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import recompute
+from .layers import offload, recompute
 from .layers.kv_cache import KVCache, LayerKVCache
 from .layers.mlp import MLP
 from .layers.moe import MoELayer, MoEOutput, MoEStats
+
+Out = TypeVar("Out")
 
 
 class RMSNorm(nn.Module):
@@ -99,7 +103,7 @@ class BlockOutput:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, moe: bool) -> None:
+    def __init__(self, cfg: ModelConfig, moe: bool, offloader: offload.Offloader | None = None) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
@@ -110,6 +114,12 @@ class Block(nn.Module):
         self.recompute = recompute.modes_of(cfg.recompute)  # layers/recompute.py
         if moe:  # inside the MoE layer: it checkpoints its shared experts itself
             self.ffn.recompute_shared = "shared_experts" in self.recompute
+        self.offload = frozenset(cfg.offload)  # layers/offload.py; disjoint from the recompute scopes
+        self.offloader = offloader or (offload.Offloader() if cfg.offload else None)
+        if "attn_input" in self.offload:  # scopes inside another module's forward: forward hooks
+            offload.attach(self.attn.qkv, self.offloader)
+        if "experts" in self.offload and moe:
+            offload.attach(self.ffn.experts, self.offloader)
 
     @property
     def is_moe(self) -> bool:
@@ -119,18 +129,30 @@ class Block(nn.Module):
                 replay_ids: torch.Tensor | None = None, token_ids: torch.Tensor | None = None,
                 kv: LayerKVCache | None = None, mask_B1SL: torch.Tensor | None = None) -> BlockOutput:
         modes = self.recompute if recompute.active(kv) else frozenset()
+        if "layer" in self.offload and recompute.active(kv):
+            with self._offload_scope(cos_SF, sin_SF):
+                return self._forward(x, cos_SF, sin_SF, replay_ids, token_ids, kv, mask_B1SL, modes)
         if "layer" in modes:  # the whole block, with the forward's expert ids in the recompute
             return recompute.recomputed_routed(
                 lambda ids: self._forward(x, cos_SF, sin_SF, ids, token_ids, kv, mask_B1SL, modes),
                 replay_ids, lambda out: out.moe.ids_TK if out.moe is not None else None)
         return self._forward(x, cos_SF, sin_SF, replay_ids, token_ids, kv, mask_B1SL, modes)
 
+    def _offload_scope(self, cos_SF: torch.Tensor, sin_SF: torch.Tensor) -> offload.OffloadScope:
+        # parameters and the rotary tables live for the whole run: left in place (saved by reference)
+        return self.offloader.scope([*self.parameters(), cos_SF, sin_SF])
+
     def _forward(self, x: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor,
                  replay_ids: torch.Tensor | None, token_ids: torch.Tensor | None, kv: LayerKVCache | None,
                  mask_B1SL: torch.Tensor | None, modes: frozenset[str]) -> BlockOutput:
-        def part(mode: str, fn: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
-            # fn(*args), its activations recomputed in the backward when `mode` is listed
-            return recompute.recomputed(fn, *args) if mode in modes else fn(*args)
+        def part(mode: str, fn: Callable[..., Out], *args: object) -> Out:
+            # fn(*args), its activations recomputed in the backward or offloaded when `mode` is listed
+            if mode in modes:
+                return recompute.recomputed(fn, *args)
+            if mode in self.offload and recompute.active(kv):
+                with self._offload_scope(cos_SF, sin_SF):
+                    return fn(*args)
+            return fn(*args)
 
         h = part("norm", self.attn_norm, x)
         x = x + part("attn", self.attn, h, cos_SF, sin_SF, kv, mask_B1SL)
@@ -141,7 +163,7 @@ class Block(nn.Module):
             out = recompute.recomputed_routed(lambda ids: self.ffn(h, ids, token_ids), replay_ids,
                                               lambda o: o.ids_TK)
         else:
-            out = self.ffn(h, replay_ids, token_ids)
+            out = part("moe", self.ffn, h, replay_ids, token_ids)
         return BlockOutput(x + out.y, out)
 
 
@@ -163,7 +185,10 @@ class MoEModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg, moe=i >= cfg.n_dense_layers) for i in range(cfg.n_layers))
+        # what activation offload moved (layers/offload.py): `offloader.counter`; None without offload
+        self.offloader = offload.Offloader() if cfg.offload else None
+        self.blocks = nn.ModuleList(Block(cfg, moe=i >= cfg.n_dense_layers, offloader=self.offloader)
+                                    for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         nn.init.normal_(self.embed.weight, std=cfg.init_std)
