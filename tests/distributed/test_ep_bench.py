@@ -17,9 +17,11 @@ BF16_BYTES, META_BYTES = 2, 8  # a bf16 row element; per pair with de-dup: fp32 
 WEIGHT_BYTES = 4  # per pair without de-dup: its fp32 routing weight travels beside the row
 
 
-def expected_bytes() -> dict[str, tuple[int, int]]:
-    """(bytes_sent, bytes_sent_without_dedup) summed over ranks, per mode, from each rank's routing as
-    the bench draws it (generator seeded with the rank: x, then the logits, softmax top-k)."""
+def expected_bytes() -> dict[str, tuple[int, int, int]]:
+    """(bytes_sent, bytes_sent_without_dedup, combine trip bytes) summed over ranks, per mode, from each
+    rank's routing as the bench draws it (generator seeded with the rank: x, then the logits, softmax
+    top-k). The combine trip sends back the rows received: one per (token, rank) with de-dup, one per
+    pair without; buffered mode sends its whole fixed blocks."""
     L = E // W
     pairs = rows = 0
     for rank in range(W):
@@ -32,11 +34,12 @@ def expected_bytes() -> dict[str, tuple[int, int]]:
     Cr = min(C, T)
     links = W * W
     plain, plain_buffered = pairs * (D * BF16_BYTES + WEIGHT_BYTES), links * C * (D * BF16_BYTES + WEIGHT_BYTES)
+    row = D * BF16_BYTES
     return {
-        "exact": (plain, plain),
-        "exact+dedup": (rows * D * BF16_BYTES + pairs * META_BYTES, plain),
-        "buffered": (plain_buffered, plain_buffered),
-        "buffered+dedup": (links * (Cr * D * BF16_BYTES + C * META_BYTES), plain_buffered),
+        "exact": (plain, plain, pairs * row),
+        "exact+dedup": (rows * row + pairs * META_BYTES, plain, rows * row),
+        "buffered": (plain_buffered, plain_buffered, links * C * row),
+        "buffered+dedup": (links * (Cr * row + C * META_BYTES), plain_buffered, links * Cr * row),
     }
 
 
@@ -57,7 +60,13 @@ def test_bench_ep_smoke(tmp_path: Path) -> None:
             row["dispatch_combine_ms"] / row["raw_data_all_to_all_ms"], rel=1e-12)
         assert row["overflow"] == 0, name  # factor 2 over random routing: nothing dropped
     expected = expected_bytes()
-    for name, (sent, plain) in expected.items():
-        assert (modes[name]["bytes_sent"], modes[name]["bytes_sent_without_dedup"]) == (sent, plain), name
+    counts = W * W * (E // W + 1) * 8  # the count exchange: every rank sends L + 1 int64 to every rank
+    for name, (sent, plain, back) in expected.items():
+        row = modes[name]
+        assert (row["bytes_sent"], row["bytes_sent_without_dedup"]) == (sent, plain), name
+        # recompute under EP repeats the forward's trips (layers/recompute.py)
+        assert (row["fwd_bytes"], row["bwd_bytes"]) == (counts + sent + back, sent + back), name
+        assert row["recompute_extra_bytes"] == row["fwd_bytes"], name
+        assert row["fwd_bwd_ms"] > 0 and row["recompute_fwd_bwd_ms"] > 0, name
     # k=4 over 2 ranks of 4 experts: every token has >= 2 pairs on some rank, so de-dup sends less
     assert modes["exact+dedup"]["bytes_sent"] < modes["exact"]["bytes_sent"]

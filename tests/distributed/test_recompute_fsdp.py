@@ -1,7 +1,6 @@
 """Activation recompute under FSDP2 (world 2, gloo, CPU, no expert parallelism): the same bits as
 without it at the same world size, since a recomputed block runs the same kernels on the same inputs
-(tests/test_recompute.py checks one process). Expert parallelism with recompute is refused by the
-config for now (docs/memory.md)."""
+(tests/test_recompute.py checks one process). With expert parallelism: test_recompute_ep.py."""
 
 from __future__ import annotations
 

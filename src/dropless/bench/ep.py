@@ -10,6 +10,14 @@ from random logits (balanced in expectation), and time, interleaved in one run:
 Reported per variant: median ms (the slowest rank's median), their ratio, and the bytes the dispatch
 trip sends summed over ranks, with and without de-dup. Targets (issue): de-dup saves about half the
 bytes at E=64, k=8, EP=4; dispatch + combine within 1.3x of the raw collectives.
+
+Recompute (`model.recompute` "moe" or "layer" under EP, layers/recompute.py) repeats the all-to-alls
+in the backward. Per variant, also timed: forward + backward of dispatch -> weighted identity experts
+(each row times its routing weight, so the weights' gradient travels back as in the model) ->
+combine, plain and inside a non-reentrant checkpoint; and counted, summed over ranks: the bytes of
+the forward's trips (count exchange, dispatch, combine), of the backward's (the reverse dispatch and
+combine trips; the count exchange has none), and the extra bytes a recompute sends (the forward's
+trips again). Rows travel in x's dtype (the identity experts return it).
 """
 
 from __future__ import annotations
@@ -24,9 +32,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils.checkpoint import checkpoint
 
 from ..cpu_alloc import keep_freed_memory
-from ..distributed.ep import EPDispatcher, link_capacity
+from ..distributed.ep import EPDispatcher, EPMeta, link_capacity
 from ..layers.router import RoutingDecision
 from .timing import format_table, interleaved
 
@@ -85,6 +94,34 @@ def _raw_fns(x_TD: torch.Tensor, ids_TK: torch.Tensor, disp: EPDispatcher, facto
     return everything, data
 
 
+def trip_bytes(meta: EPMeta, x_TD: torch.Tensor, ep_size: int, num_local: int) -> dict[str, torch.Tensor]:
+    """Bytes this rank sends (to every rank, itself included) per trip of one dispatch + combine, as
+    int64 device scalars: the count exchange (P rows of L + 1 int64), the dispatch trip (rows and pair
+    metadata: `meta.bytes_sent`), the combine trip (the rows going back, in x's dtype). The backward
+    sends the dispatch and combine trips back reversed; a recompute repeats all three."""
+    rows_back = meta.rows_recv if meta.src_R is not None else meta.row_n.numel()
+    counts = x_TD.new_full((), ep_size * (num_local + 1) * 8, dtype=torch.int64)
+    combine = x_TD.new_full((), rows_back * x_TD.shape[1] * x_TD.element_size(), dtype=torch.int64)
+    return {"counts": counts, "dispatch": meta.bytes_sent, "combine": combine}
+
+
+def fwd_bwd_fn(disp: EPDispatcher, x_TD: torch.Tensor, logits_TE: torch.Tensor, ids_TK: torch.Tensor,
+               recompute: bool) -> Callable[[], None]:
+    """Forward and backward of router weights -> dispatch -> weighted identity experts -> combine, the
+    MoE part of it inside a non-reentrant checkpoint when `recompute` (what model.recompute "moe" does)."""
+    def region(x: torch.Tensor, lg: torch.Tensor) -> torch.Tensor:
+        scores = torch.softmax(lg, -1)
+        batch, meta = disp.dispatch(x, RoutingDecision(ids_TK, scores.gather(1, ids_TK), scores, lg))
+        return disp.combine(batch.x_RD * batch.weights_R[:, None].to(x.dtype), meta)
+
+    def run() -> None:
+        with torch.enable_grad():
+            x, lg = x_TD.detach().requires_grad_(True), logits_TE.detach().requires_grad_(True)
+            y = checkpoint(region, x, lg, use_reentrant=False) if recompute else region(x, lg)
+            y.float().sum().backward()
+    return run
+
+
 def _worker(rank: int, args: argparse.Namespace, store: str, out_path: str) -> None:
     keep_freed_memory()  # spawned: the parent's mallopt does not carry over (its environment does)
     torch.set_num_threads(1)
@@ -110,10 +147,16 @@ def _worker(rank: int, args: argparse.Namespace, store: str, out_path: str) -> N
 
             with torch.no_grad():
                 _, meta = ep_fn()
-            totals = torch.stack([meta.bytes_sent, meta.bytes_sent_without_dedup, meta.overflow])
+            trips = trip_bytes(meta, x_TD, disp.ep_size, disp.num_local)
+            fwd = trips["counts"] + trips["dispatch"] + trips["combine"]
+            totals = torch.stack([meta.bytes_sent, meta.bytes_sent_without_dedup, meta.overflow, fwd,
+                                  trips["dispatch"] + trips["combine"], fwd])
             dist.all_reduce(totals, group=None)
-            stats[name] = dict(zip(("bytes_sent", "bytes_sent_without_dedup", "overflow"), totals.tolist()))
+            stats[name] = dict(zip(("bytes_sent", "bytes_sent_without_dedup", "overflow", "fwd_bytes",
+                                    "bwd_bytes", "recompute_extra_bytes"), totals.tolist()))
             fns[f"{name}/ep"] = ep_fn
+            fns[f"{name}/fwd_bwd"] = fwd_bwd_fn(disp, x_TD, logits_TE, ids_TK, recompute=False)
+            fns[f"{name}/recompute"] = fwd_bwd_fn(disp, x_TD, logits_TE, ids_TK, recompute=True)
             fns[f"{name}/raw"], fns[f"{name}/raw_data"] = _raw_fns(x_TD, ids_TK, disp, args.factor)
     with torch.no_grad():
         ms = interleaved(fns, args.repeats, args.warmup, before=dist.barrier)
@@ -124,7 +167,9 @@ def _worker(rank: int, args: argparse.Namespace, store: str, out_path: str) -> N
         result = {name: dict(dispatch_combine_ms=ms[f"{name}/ep"], raw_all_to_all_ms=ms[f"{name}/raw"],
                              raw_data_all_to_all_ms=ms[f"{name}/raw_data"],
                              ratio=ms[f"{name}/ep"] / ms[f"{name}/raw"],
-                             ratio_data_only=ms[f"{name}/ep"] / ms[f"{name}/raw_data"], **stats[name])
+                             ratio_data_only=ms[f"{name}/ep"] / ms[f"{name}/raw_data"],
+                             fwd_bwd_ms=ms[f"{name}/fwd_bwd"], recompute_fwd_bwd_ms=ms[f"{name}/recompute"],
+                             recompute_time_ratio=ms[f"{name}/recompute"] / ms[f"{name}/fwd_bwd"], **stats[name])
                   for name in stats}
         with open(out_path, "w") as fh:
             json.dump(result, fh)
@@ -149,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows, ["variant", "dispatch_combine_ms", "raw_all_to_all_ms", "ratio",
                               "raw_data_all_to_all_ms", "ratio_data_only", "bytes_sent",
                               "bytes_sent_without_dedup", "dedup_saving", "overflow"]))
+    print("recompute of the MoE layer (model.recompute moe/layer) repeats the forward's trips:")
+    print(format_table(rows, ["variant", "fwd_bwd_ms", "recompute_fwd_bwd_ms", "recompute_time_ratio",
+                              "fwd_bytes", "bwd_bytes", "recompute_extra_bytes"]))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"config": config, "modes": modes}, fh, indent=2)
