@@ -17,6 +17,7 @@ from dropless.config import ModelConfig
 from dropless.layers import offload
 from dropless.model import MoEModel
 from dropless.saved_bytes import saved_bytes
+from dropless.train.resume import is_fixed
 from test_recompute import B, S, ROUTERS, _Allocations, assert_equal, fwd_bwd, model_cfg, tokens
 from tiny_run import tiny
 
@@ -154,6 +155,10 @@ def test_offload_validation() -> None:
             tiny(f"model.offload={names!r}".replace("'", '"'), f"model.recompute={rc!r}".replace("'", '"'))
     tiny('model.offload=["attn","norm","experts"]', 'model.recompute=["shared_experts"]',
          "model.moe.n_shared_experts=1")  # disjoint scopes
+
+
+def test_offload_may_change_on_resume() -> None:
+    assert not is_fixed("model.offload")  # how the same network is computed, not what it is
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -23,6 +23,23 @@ are the unbiased scores, so the expert bias and the group mask never enter them)
 The variable-count strategies (expert_choice, expert_threshold) and `norm_top_k` have weights that
 the ids alone do not fix; config.check_recompute refuses them with `moe`/`layer`.
 
+Under expert parallelism the recompute REPEATS the all-to-alls; it does not keep the dispatched rows.
+A recomputed `moe` (or `layer`) region reruns router GEMM, dispatch (count exchange, rows and pair
+metadata out; exact mode's one host read of the split sizes), experts and combine (rows back) in the
+backward, with the forward's ids, so the same pairs go to the same ranks in the same order: the same
+bits (tests/distributed/test_recompute_ep.py). Why not keep the dispatched rows: they are the largest
+thing the MoE layer holds (about T*K*D per rank without de-dup), and dropping them is what `moe`
+recompute is for; the price is the forward's trips once more in the backward, counted by `dropless
+bench ep` (recompute_extra_bytes: +50% of the plain forward+backward data bytes). Why it is safe:
+every rank reaches a recomputed region's first saved tensor at the same node of the same graph (the
+ranks build the same graph in the same order), so they rerun the same collectives in the same order;
+checkpoint's early stop ends a recompute after the region's last saved tensor, which comes after its
+last all-to-all (the combine's bag sum and the losses save tensors) on every rank alike. Buffered mode
+reruns with the same fixed buffers and the same ids, so the same pairs overflow and are dropped; the
+dispatcher in place in the backward must be the forward's (the trainer's worst-case retry and exact
+evaluation swap dispatchers around forward and backward together; a different one would give
+checkpoint different saved shapes, which it refuses).
+
 The losses and statistics come from the forward's outputs only: the recompute's own outputs are
 discarded by the checkpoint (it keeps only the saved tensors it regenerates), so nothing is counted
 twice. Recompute applies only when autograd records (`torch.is_grad_enabled()`) and not when decoding

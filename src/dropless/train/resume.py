@@ -19,6 +19,7 @@ What may change on resume:
       model.moe.precision    the expert GEMMs' number format (numerics, like train.dtype)
       model.moe.balance.*    balancing losses and bias rules (the training objective)
       model.recompute        which activations are recomputed in the backward (the same bits)
+      model.offload          which activations wait in host memory for the backward (the same bits)
 - `data.tokenizer` and `data.tokenizer_path` are refused as well: the embedding rows are one
   tokenizer's vocabulary (another tokenizer.json would silently train them under other ids).
 - Everything else (train.*, data.*, log.*, parallel.*) may change; each change is printed and written to
@@ -36,7 +37,8 @@ from typing import Any
 from ..config import RunConfig, apply_overrides, from_dict, load_config, to_dict
 
 MUTABLE_MODEL_FIELDS = ("model.init_std", "model.moe.backend", "model.moe.align", "model.moe.precision",
-                        "model.moe.balance.", "model.recompute")  # a trailing dot: the whole section
+                        "model.moe.balance.", "model.recompute",
+                        "model.offload")  # a trailing dot: the whole section
 FIXED_FIELDS_OUTSIDE_MODEL = ("data.tokenizer", "data.tokenizer_path")
 CONFIG_FILE = "config.toml"
 
