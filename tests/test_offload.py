@@ -17,9 +17,10 @@ from dropless.config import ModelConfig
 from dropless.layers import offload
 from dropless.model import MoEModel
 from dropless.saved_bytes import saved_bytes
+from dropless.train.loop import Trainer
 from dropless.train.resume import is_fixed
 from test_recompute import B, S, ROUTERS, _Allocations, assert_equal, fwd_bwd, model_cfg, tokens
-from tiny_run import tiny
+from tiny_run import rows, tiny
 
 NAMES = [["layer"], ["attn"], ["attn_input"], ["norm"], ["moe"], ["experts"], ["attn", "norm", "moe"],
          ["attn_input", "norm", "experts"]]
@@ -155,6 +156,16 @@ def test_offload_validation() -> None:
             tiny(f"model.offload={names!r}".replace("'", '"'), f"model.recompute={rc!r}".replace("'", '"'))
     tiny('model.offload=["attn","norm","experts"]', 'model.recompute=["shared_experts"]',
          "model.moe.n_shared_experts=1")  # disjoint scopes
+
+
+def test_trainer_losses_identical_with_offload(tmp_path) -> None:
+    """The trainer's bf16 autocast on this CPU (train.dtype auto), evaluation without hooks."""
+    short = ["train.steps=3", "train.eval_every=3", "train.ckpt_every=3"]
+    Trainer(tiny(*short), tmp_path / "plain").fit()
+    Trainer(tiny(*short, 'model.offload=["attn","norm","moe"]'), tmp_path / "off").fit()
+    plain = rows(tmp_path / "plain", "loss")
+    assert len(plain) == 3 and plain == rows(tmp_path / "off", "loss")
+    assert rows(tmp_path / "plain", "val_loss") == rows(tmp_path / "off", "val_loss")
 
 
 def test_offload_may_change_on_resume() -> None:
