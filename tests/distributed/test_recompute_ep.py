@@ -121,13 +121,17 @@ def test_recompute_and_offload_under_ep_are_bit_identical(tmp_path: Path) -> Non
 
 
 def _retry_cases(rank: int, world: int, root: Path) -> None:
-    """An overflowing buffered step, rerun with worst-case buffers: the same state with recompute."""
+    """An overflowing buffered step, rerun with worst-case buffers: the same state with recompute, and
+    with offload of the FSDP-wrapped experts (scopes by forward hooks, beside FSDP's own)."""
     states = []
-    for extra in ([], ['model.recompute=["layer"]'], ['model.recompute=["moe"]']):
+    for extra in ([], ['model.recompute=["layer"]'], ['model.recompute=["moe"]'],
+                  ['model.offload=["experts","attn_input"]']):
         t = Trainer(tiny(*BUFFERED, *extra), root / str(len(states)))
         _skew(t)
         t.train_step(0)
         assert t.overflow.retried == 1
+        if t.model.offloader is not None:
+            assert t.model.offloader.counter.bytes_to_host > 0
         states.append(_local_state(t))
     for other in states[1:]:
         assert all(torch.equal(a, b) for a, b in zip(states[0], other))
