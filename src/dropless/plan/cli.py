@@ -10,9 +10,12 @@ predicted peak (suggest.py). `--json` writes the same as one object.
 
 `--micro-batch-tokens N` sets the tokens per micro-batch per rank (train.batch_size = N / seq_len).
 `--pipeline P` is planner-only: dropless has no pipeline parallelism; for a published recipe that
-uses it, the plan is folded (recipes in docs/memory.md): the first stage's ceil(n_layers / P) blocks
-(the dense ones first) on world / P ranks, with the activations of P micro-batches alive (1F1B's
-first stage) and the embedding, head and loss counted on it too (an upper bound for both end stages).
+uses it, the plan is folded (recipes in docs/memory.md): one stage of ceil(n_layers / P) blocks, all
+MoE where the model has that many (the heaviest stage), on world / P ranks (FSDP and EP inside the
+stage), with the activations of P micro-batches alive (1F1B's first stage keeps P) and the
+embedding, head and loss counted on it too, which only the end stages hold: an upper bound for a
+1F1B schedule. Interleaved (virtual) stages and DualPipe keep more (DualPipe: P + 1 micro-batches and
+two copies of the parameters); the fold does not model them.
 """
 
 from __future__ import annotations
@@ -49,10 +52,12 @@ def parse_bytes(flag: str, text: str) -> int:
 
 
 def stage_config(cfg: RunConfig, pipeline: int) -> RunConfig:
-    """The first pipeline stage's model (module note): ceil(n_layers / P) blocks, dense ones first."""
+    """The heaviest pipeline stage's model (module note): ceil(n_layers / P) blocks, MoE blocks as
+    far as the model has them (a middle stage), the embedding, head and loss kept on it."""
     m = cfg.model
     n = math.ceil(m.n_layers / pipeline)
-    return replace(cfg, model=replace(m, n_layers=n, n_dense_layers=min(m.n_dense_layers, n)))
+    dense = max(0, n - (m.n_layers - m.n_dense_layers))
+    return replace(cfg, model=replace(m, n_layers=n, n_dense_layers=dense))
 
 
 def planner_for(pipeline: int):  # noqa: ANN201
@@ -104,7 +109,7 @@ def report(name: str, cfg: RunConfig, world: int, device: int, p: Plan, shown: l
     a = p.activation_detail
     lines = [f"dropless plan: {name}, world {world} (ep {p.ep_size}, {p.world // p.ep_size} expert-data-"
              f"parallel), {p.tokens} tokens per micro-batch per rank, {'bf16' if p.bf16 else 'fp32'}"
-             + (f", folded pipeline {p.pipeline} (first stage: {cfg.model.n_layers} -> "
+             + (f", folded pipeline {p.pipeline} (one stage: {cfg.model.n_layers} -> "
                 f"{math.ceil(cfg.model.n_layers / p.pipeline)} blocks on {p.world} ranks)" if p.pipeline > 1 else ""),
              "", f"{'component':<13} {'bytes per rank':>18} {'GiB':>10}"]
     for c in COMPONENTS:
@@ -141,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         p = planner(cfg, args.world)
         shown, combined = [], None
         if p.peak > 0.9 * device:
-            shown, combined = suggest(cfg, args.world, device, planner)
+            shown, combined = suggest(cfg, args.world, device, planner, args.world // pipeline)
     except (ValueError, FileNotFoundError) as e:
         print(f"dropless plan: error: {e}", file=sys.stderr)
         return 2

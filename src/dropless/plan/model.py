@@ -160,8 +160,9 @@ def ep_buffer_bytes(cfg: RunConfig, tokens: int, bf16: bool) -> int:
 
 def plan(cfg: RunConfig, world: int, pipeline: int = 1) -> Plan:
     """The per-rank bytes of training `cfg` on `world` ranks (module note). `pipeline` > 1 folds a
-    pipeline-parallel recipe (recipes.py): the caller passes one stage's layers, and the activations
-    of `pipeline` micro-batches are alive (1F1B's first stage)."""
+    pipeline-parallel recipe (plan/cli.py): the caller passes one stage's layers and ranks; the
+    blocks' activations of `pipeline` micro-batches are alive (1F1B's first stage), the head's of
+    one (the last stage's): an upper bound for both end stages."""
     ep = cfg.parallel.ep_size
     if world < 1 or world % ep:
         raise ValueError(f"--world {world}: must be a positive multiple of parallel.ep_size={ep}")
@@ -173,7 +174,7 @@ def plan(cfg: RunConfig, world: int, pipeline: int = 1) -> Plan:
     params = grads = 4 * shards
     optimizer = MOMENT_BYTES[t.optimizer] * shards + 4 * el["tensors"]
     act = activation_bytes(cfg.model, t.batch_size, t.seq_len, bf16, ep_rows(cfg, tokens))
-    activations = act.total * pipeline
+    activations = (act.total - act.head) * pipeline + act.head  # the head's micro-batch: once
     ep_buf = ep_buffer_bytes(cfg, tokens, bf16)
     fsdp = 4 * (el["root"] + 2 * el["block"]) if world > 1 else 0
     loss_grad = tokens * cfg.model.vocab_size * (4 + (2 if bf16 else 0))

@@ -38,7 +38,8 @@ def _recompute_value(modes: list[str]) -> str:
 
 
 def knob_overrides(cfg: RunConfig, world: int) -> list[tuple[str, list[str]]]:
-    """The single-knob changes worth planning for this config."""
+    """The single-knob changes worth planning for this config; `world`: the ranks an EP group may
+    span (a pipeline stage's when folded)."""
     out: list[tuple[str, list[str]]] = []
     for modes in RECOMPUTE_CHOICES:
         if sorted(modes) != sorted(cfg.model.recompute):
@@ -71,11 +72,14 @@ def evaluate(cfg: RunConfig, world: int, device_bytes: int, knob: str, overrides
 
 
 def suggest(cfg: RunConfig, world: int, device_bytes: int,
-            planner: Callable[[RunConfig, int], Plan] = plan) -> tuple[list[Suggestion], Suggestion | None]:
+            planner: Callable[[RunConfig, int], Plan] = plan,
+            ep_world: int | None = None) -> tuple[list[Suggestion], Suggestion | None]:
     """Every single knob's predicted peak, and (when none fits alone) a greedy combination: apply the
-    knob that lowers the peak most, then re-plan, up to four knobs, until it fits."""
+    knob that lowers the peak most, then re-plan, up to four knobs, until it fits. `ep_world`: the
+    ranks an EP group may span (default `world`; a pipeline stage's ranks when folded)."""
+    ep_world = ep_world or world
     singles = []
-    for knob, over in knob_overrides(cfg, world):
+    for knob, over in knob_overrides(cfg, ep_world):
         s, _ = evaluate(cfg, world, device_bytes, knob, over, planner=planner)
         singles.append(s)
     # micro-batch and EP size: listed up to the first that fits (the largest micro-batch, the smallest
@@ -92,7 +96,7 @@ def suggest(cfg: RunConfig, world: int, device_bytes: int,
     current, applied = cfg, []
     for _ in range(4):
         best = None
-        for knob, over in knob_overrides(current, world):
+        for knob, over in knob_overrides(current, ep_world):
             s, new = evaluate(current, world, device_bytes, knob, over, planner=planner)
             if s.peak is not None and (best is None or s.peak < best[0].peak):
                 best = (s, new)

@@ -166,23 +166,23 @@ def measure(cfg: RunConfig, steps: int, distributed: bool) -> dict[str, int]:
     return out
 
 
-def _worker(rank: int, world: int, store: str, case: str, dtype: str, steps: int, outdir: str) -> None:
+def _worker(rank: int, world: int, store: str, cfg: RunConfig, steps: int, outdir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        m = measure(case_config(case, world, dtype), steps, distributed=True)
+        m = measure(cfg, steps, distributed=True)
         Path(outdir, f"rank{rank}.json").write_text(json.dumps(m))
     finally:
         dist.destroy_process_group()
 
 
-def measured_max(case: str, world: int, dtype: str, steps: int) -> dict[str, int]:
-    """The busiest rank's figure of each component (max over ranks)."""
+def measured_max(cfg: RunConfig, world: int, steps: int) -> dict[str, int]:
+    """The busiest rank's figure of each component (max over ranks); world > 1 spawns gloo ranks."""
     if world == 1:
         torch.set_num_threads(1)
-        return measure(case_config(case, 1, dtype), steps, distributed=False)
+        return measure(cfg, steps, distributed=False)
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), case, dtype, steps, tmp),
+        mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), cfg, steps, tmp),
                            nprocs=world, start_method="spawn")
         ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
     return {k: max(r[k] for r in ranks) for k in ranks[0]}
@@ -191,7 +191,7 @@ def measured_max(case: str, world: int, dtype: str, steps: int) -> dict[str, int
 def rows_for(case: str, world: int, dtype: str, steps: int) -> list[dict[str, Any]]:
     cfg = case_config(case, world, dtype)
     pred = plan(cfg, world).as_dict()
-    meas = measured_max(case, world, dtype, steps)
+    meas = measured_max(cfg, world, steps)
     rows = []
     for comp in MEASURED:
         m, p = meas[comp], pred[comp]
