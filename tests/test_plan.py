@@ -83,7 +83,9 @@ def test_world_shards_states_and_ep_sizes_buffers() -> None:
     cfg = small()
     one, four = plan(cfg, 1), plan(cfg, 4)
     assert four.params < one.params / 3.5 and four.optimizer < one.optimizer / 3.5
-    assert four.activations == one.activations and four.ep_buffers == 0 and four.fsdp_gather > 0
+    # world > 1 always has an EP dispatcher (over a group of one here): buffers, same activations
+    assert four.activations == one.activations and four.ep_buffers > 0 == one.ep_buffers
+    assert four.fsdp_gather > 0 == one.fsdp_gather
     ep = plan(with_overrides(cfg, ["parallel.ep_size=2", "parallel.ep_mode=buffered"]), 2)
     assert ep.ep_buffers > 0
     factor4 = plan(with_overrides(cfg, ["parallel.ep_size=2", "parallel.ep_mode=buffered",

@@ -17,6 +17,8 @@ What each component is (the layout is distributed/parallelize.py's: EP, then FSD
   no pipeline).
 - ep_buffers: the all-to-all buffers of one MoE layer's forward (send and receive of the dispatch,
   its routing weights and counts, and the combine): transient, one layer at a time, so counted once.
+  Any run of W > 1 has them, ep_size 1 included (parallelize.py gives every MoE layer an EP
+  dispatcher; over a group of one its all-to-alls are copies).
   Buffered mode: fixed, factor x the balanced need (parallel.ragged_buffer_factor, capped at the
   worst case; ep_plan.link_capacity). Exact mode: the balanced need itself (uniform routing; a skewed
   step needs more).
@@ -114,10 +116,12 @@ def shard_elements(cfg: RunConfig, world: int) -> dict[str, int]:
             "block": int(max(block_units, default=0))}
 
 
-def ep_rows(cfg: RunConfig, tokens: int) -> tuple[int, int] | None:
-    """(L, R): local experts and expert GEMM rows per MoE layer under EP; None without EP."""
+def ep_rows(cfg: RunConfig, tokens: int, world: int) -> tuple[int, int] | None:
+    """(L, R): local experts and expert GEMM rows per MoE layer under the EP dispatcher; None in one
+    process. Every distributed run has it, ep_size 1 included (parallelize.py installs an EP
+    dispatcher over a group of one, whose all-to-alls are copies)."""
     p, m = cfg.parallel, cfg.model.moe
-    if p.ep_size == 1:
+    if world == 1:
         return None
     L = m.num_experts // p.ep_size
     align = math.lcm(m.align, quant_gemm.plan_align(m.precision, 1))  # layers/dispatch.py dispatch_align
@@ -135,11 +139,12 @@ def _expected_rank_hits(E: int, K: int, L: int) -> float:
     return (E // L) * (1 - miss)
 
 
-def ep_buffer_bytes(cfg: RunConfig, tokens: int, bf16: bool) -> int:
+def ep_buffer_bytes(cfg: RunConfig, tokens: int, bf16: bool, world: int) -> int:
     """The all-to-all buffers of one MoE layer's forward on one rank (module note): each trip's
-    input and output storage, as distributed/comm.py allocates them."""
+    input and output storage, as distributed/comm.py allocates them; 0 in one process (see ep_rows:
+    any world > 1 has them, ep_size 1 included)."""
     p, m = cfg.parallel, cfg.model.moe
-    if p.ep_size == 1 or cfg.model.n_layers == cfg.model.n_dense_layers:
+    if world == 1 or cfg.model.n_layers == cfg.model.n_dense_layers:
         return 0
     P, K, D, L = p.ep_size, m.top_k, cfg.model.d_model, m.num_experts // p.ep_size
     x_es = 4  # the MoE layer's input is the fp32 residual stream, normed (even under autocast)
@@ -173,9 +178,9 @@ def plan(cfg: RunConfig, world: int, pipeline: int = 1) -> Plan:
     shards = el["dense"] + el["experts"]
     params = grads = 4 * shards
     optimizer = MOMENT_BYTES[t.optimizer] * shards + 4 * el["tensors"]
-    act = activation_bytes(cfg.model, t.batch_size, t.seq_len, bf16, ep_rows(cfg, tokens))
+    act = activation_bytes(cfg.model, t.batch_size, t.seq_len, bf16, ep_rows(cfg, tokens, world))
     activations = (act.total - act.head) * pipeline + act.head  # the head's micro-batch: once
-    ep_buf = ep_buffer_bytes(cfg, tokens, bf16)
+    ep_buf = ep_buffer_bytes(cfg, tokens, bf16, world)
     fsdp = 4 * (el["root"] + 2 * el["block"]) if world > 1 else 0
     loss_grad = tokens * cfg.model.vocab_size * (4 + (2 if bf16 else 0))
     unit_grad = 4 * (el["dense"] + el["experts"]) // max(cfg.model.n_layers, 1)

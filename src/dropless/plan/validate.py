@@ -2,7 +2,7 @@
 tensors, on the CPU, at world 1, 2 and 4 (FSDP2 + EP over gloo, spawned processes).
 
     python -m dropless.plan.validate [--cases tiny,small,medium] [--worlds 1,2,4] [--steps 2]
-                                     [--dtype bf16|fp32] [--json FILE]
+                                     [--dtype bf16|fp32] [--set a.b=value ...] [--no-ep] [--json FILE]
 
 A benchmark, not a test (minutes of CPU). Each case builds the model and optimizer exactly as the
 trainer does (MoEModel seeded on the CPU, distributed/parallelize.py's EP then FSDP2, train/optim.py)
@@ -64,10 +64,10 @@ WORLD_LAYOUT = {1: [], 2: ["parallel.ep_size=2", "parallel.ep_mode=buffered"],
 MEASURED = ("params", "grads", "optimizer", "activations", "ep_buffers")
 
 
-def case_config(case: str, world: int, dtype: str) -> RunConfig:
+def case_config(case: str, world: int, dtype: str, extra: tuple[str, ...] = (), ep: bool = True) -> RunConfig:
     from ..train.run import preset_path
-    over = list(CASES[case]) + (BENCH_SHAPE if case != "tiny" else []) + WORLD_LAYOUT[world]
-    over += [f"train.dtype={dtype}", "train.device=cpu"]
+    over = list(CASES[case]) + (BENCH_SHAPE if case != "tiny" else []) + (WORLD_LAYOUT[world] if ep else [])
+    over += [f"train.dtype={dtype}", "train.device=cpu", *extra]
     return load_config(preset_path("tiny"), over)
 
 
@@ -188,8 +188,9 @@ def measured_max(cfg: RunConfig, world: int, steps: int) -> dict[str, int]:
     return {k: max(r[k] for r in ranks) for k in ranks[0]}
 
 
-def rows_for(case: str, world: int, dtype: str, steps: int) -> list[dict[str, Any]]:
-    cfg = case_config(case, world, dtype)
+def rows_for(case: str, world: int, dtype: str, steps: int, extra: tuple[str, ...] = (),
+             ep: bool = True) -> list[dict[str, Any]]:
+    cfg = case_config(case, world, dtype, extra, ep)
     pred = plan(cfg, world).as_dict()
     meas = measured_max(cfg, world, steps)
     rows = []
@@ -208,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worlds", default="1,2,4")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="a.b=value",
+                    help="extra config overrides for every case (e.g. model.recompute=[\"layer\"])")
+    ap.add_argument("--no-ep", action="store_true", help="FSDP only at every world (no expert parallelism)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     try:
@@ -221,13 +225,16 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--worlds: {w} is not one of {', '.join(map(str, WORLD_LAYOUT))}")
         if args.steps < 1:
             raise ValueError(f"--steps {args.steps}: must be >= 1")
+        for c in cases:
+            for w in worlds:
+                case_config(c, w, args.dtype, tuple(args.overrides), not args.no_ep)  # refuse early
     except ValueError as e:
         print(f"dropless plan validate: error: {e}", file=sys.stderr)
         return 2
     from tqdm import tqdm
     rows: list[dict[str, Any]] = []
     for case, world in tqdm([(c, w) for c in cases for w in worlds], desc="plan validate", file=sys.stderr):
-        rows += rows_for(case, world, args.dtype, args.steps)
+        rows += rows_for(case, world, args.dtype, args.steps, tuple(args.overrides), not args.no_ep)
     print(f"{'case':<7} {'world':>5} {'ep':>3} {'mode':<8} {'component':<12} {'predicted B':>14} "
           f"{'measured B':>14} {'ratio':>7}")
     for r in rows:
