@@ -88,7 +88,11 @@ def build(args: argparse.Namespace) -> tuple[RunConfig, int, int]:
         raise ValueError(f"--world {args.world}: must be >= 1")
     if args.pipeline < 1 or args.world % args.pipeline:
         raise ValueError(f"--pipeline {args.pipeline}: must be >= 1 and divide --world {args.world}")
-    cfg = load_config(preset_path(args.config), args.overrides)
+    try:
+        path = preset_path(args.config)
+    except (ValueError, FileNotFoundError) as e:  # its message names train's flag; here it is CONFIG
+        raise type(e)(str(e).replace("--config", "CONFIG", 1)) from None
+    cfg = load_config(path, args.overrides)
     if args.micro_batch_tokens is not None:
         n, s = args.micro_batch_tokens, cfg.train.seq_len
         if n < s or n % s:
