@@ -71,7 +71,7 @@ class Plan:
     loss_grad: int
     peak: int
     activation_detail: ActivationBytes
-    pipeline: int = 1  # planner-only folding of a pipeline-parallel recipe (recipes.py); 1 in dropless
+    pipeline: int = 1  # planner-only folding of a pipeline-parallel recipe (plan/cli.py); 1 in dropless
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -109,11 +109,16 @@ def shard_elements(cfg: RunConfig, world: int) -> dict[str, int]:
     root = sum(p.numel() for m in (model.embed, model.norm, model.head) for p in m.parameters())
     if model.cfg.tie_embeddings:
         root -= model.head.weight.numel()
-    block_units = [sum(p.numel() for p in b.parameters()) - sum(
-        getattr(b.ffn.experts, n).numel() * (1 - 1 / ep) for n in EXPERT_PARAMS) if b.is_moe
-        else sum(p.numel() for p in b.parameters()) for b in model.blocks]
+    # a block's gathered units: its own parameters, with the experts cut to this rank's EP slice
+    # (the experts and the router are units of their own, gathered while the block runs)
+    def block_unit(b: torch.nn.Module) -> int:
+        whole = sum(p.numel() for p in b.parameters())
+        if not b.is_moe:
+            return whole
+        return whole - sum(getattr(b.ffn.experts, n).numel() for n in EXPERT_PARAMS) * (ep - 1) // ep
+
     return {"dense": dense, "experts": experts, "tensors": tensors, "root": root,
-            "block": int(max(block_units, default=0))}
+            "block": max((block_unit(b) for b in model.blocks), default=0)}
 
 
 def ep_rows(cfg: RunConfig, tokens: int, world: int) -> tuple[int, int] | None:

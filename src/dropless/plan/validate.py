@@ -27,6 +27,9 @@ token-choice router at initialisation (not `forced_balance`, whose K consecutive
 land on one or two EP ranks, far fewer than independent choices: the de-dup traffic would say more
 about that generator than about training). World 2 runs EP 2 in buffered mode; world 4 runs EP 2 x 2 expert-data-parallel
 in exact mode (FSDP shards each expert slice over 2 ranks).
+`--no-ep` keeps ep_size 1 at every world (FSDP only; every MoE layer still gets an EP dispatcher
+over a group of one); `--set` adds overrides to every case (e.g. a recompute mode, which the config
+refuses together with EP).
 """
 
 from __future__ import annotations
