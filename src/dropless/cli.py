@@ -19,6 +19,7 @@ COMMANDS = {
     "routing-mismatch": ("dropless.serve.mismatch", "compare two routing records of the same tokens"),
     "quantize": ("dropless.serve.quantize", "store a run's routed experts in 4 bits (mxfp4 | nvfp4)"),
     "evaluate": ("dropless.serve.evaluate_cli", "validation loss of a run (fewer experts: --serve-top-k)"),
+    "plan": ("dropless.plan.cli", "predict per-rank training memory (and which knob makes it fit)"),
 }
 BENCHMARKS = {
     "layer": "dropless.bench.layer",

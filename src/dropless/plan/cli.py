@@ -1,0 +1,167 @@
+"""`dropless plan`: predict the memory of a training run per rank before launching it.
+
+    dropless plan CONFIG [--world N] [--set a.b=value ...] [--device-memory 80GiB]
+                  [--micro-batch-tokens N] [--pipeline P] [--json FILE]
+
+CONFIG is what `dropless train --config` takes: a preset name (`tiny`, `dense`) or a TOML file.
+Prints the bytes per rank of each component (model.py's note says what each counts), the peak,
+whether it fits the device memory, and, when it does not (or is within 10% of it), each knob's
+predicted peak (suggest.py). `--json` writes the same as one object.
+
+`--micro-batch-tokens N` sets the tokens per micro-batch per rank (train.batch_size = N / seq_len).
+`--pipeline P` is planner-only: dropless has no pipeline parallelism; for a published recipe that
+uses it, the plan is folded (recipes in docs/memory.md): one stage of ceil(n_layers / P) blocks, all
+MoE where the model has that many (the heaviest stage), on world / P ranks (FSDP and EP inside the
+stage), with the activations of P micro-batches alive (1F1B's first stage keeps P) and the
+embedding, head and loss counted on it too, which only the end stages hold: an upper bound for a
+1F1B schedule. Interleaved (virtual) stages and DualPipe keep more (DualPipe: P + 1 micro-batches and
+two copies of the parameters); the fold does not model them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from ..config import RunConfig, load_config
+from .model import COMPONENTS, Plan, plan, with_overrides
+from .suggest import OFFLOAD_NOTE, Suggestion, has_offload, suggest
+
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+         "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+GIB = 2**30
+
+
+def parse_bytes(flag: str, text: str) -> int:
+    """'80GiB' (binary), '80GB' (decimal), '123' or '123B' (bytes), spelled exactly so ('80gb' and
+    '80Gb', bits, are refused); a ValueError names the flag."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = m.group(2) if m else None
+    if not m or unit not in UNITS:
+        raise ValueError(f"{flag} {text!r}: expected a size such as 80GiB, 80GB or a number of bytes "
+                         f"(units: {', '.join(u for u in UNITS if u)})")
+    value = float(m.group(1)) * UNITS[unit]
+    if value <= 0 or value != int(value):
+        raise ValueError(f"{flag} {text!r}: must be a positive whole number of bytes")
+    return int(value)
+
+
+def stage_config(cfg: RunConfig, pipeline: int) -> RunConfig:
+    """The heaviest pipeline stage's model (module note): ceil(n_layers / P) blocks, MoE blocks as
+    far as the model has them (a middle stage), the embedding, head and loss kept on it."""
+    m = cfg.model
+    n = math.ceil(m.n_layers / pipeline)
+    dense = max(0, n - (m.n_layers - m.n_dense_layers))
+    return replace(cfg, model=replace(m, n_layers=n, n_dense_layers=dense))
+
+
+def planner_for(pipeline: int):  # noqa: ANN201
+    if pipeline == 1:
+        return plan
+    return lambda c, w: plan(stage_config(c, pipeline), w // pipeline, pipeline)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dropless plan", description="Predict per-rank training memory.")
+    p.add_argument("config", help="preset name or TOML file (as dropless train --config)")
+    p.add_argument("--world", type=int, default=1, help="ranks (processes) in the run (default 1)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="a.b=value",
+                   help="override a config field by dotted name (repeatable)")
+    p.add_argument("--device-memory", default="80GiB", help="memory of one device (default 80GiB)")
+    p.add_argument("--micro-batch-tokens", type=int, default=None,
+                   help="tokens per micro-batch per rank (sets train.batch_size = N / train.seq_len)")
+    p.add_argument("--pipeline", type=int, default=1,
+                   help="planner-only: fold a pipeline-parallel recipe's P stages (module note)")
+    p.add_argument("--json", default=None, help="also write the plan as JSON to this file")
+    return p
+
+
+def build(args: argparse.Namespace) -> tuple[RunConfig, int, int]:
+    from ..train.run import preset_path
+    device = parse_bytes("--device-memory", args.device_memory)
+    if args.world < 1:
+        raise ValueError(f"--world {args.world}: must be >= 1")
+    if args.pipeline < 1 or args.world % args.pipeline:
+        raise ValueError(f"--pipeline {args.pipeline}: must be >= 1 and divide --world {args.world}")
+    try:
+        path = preset_path(args.config)
+    except (ValueError, FileNotFoundError) as e:  # its message names train's flag; here it is CONFIG
+        raise type(e)(str(e).replace("--config", "CONFIG", 1)) from None
+    cfg = load_config(path, args.overrides)
+    if args.micro_batch_tokens is not None:
+        n, s = args.micro_batch_tokens, cfg.train.seq_len
+        if n < s or n % s:
+            raise ValueError(f"--micro-batch-tokens {n}: must be a positive multiple of train.seq_len={s}")
+        cfg = with_overrides(cfg, [f"train.batch_size={n // s}"])
+    if (args.world // args.pipeline) % cfg.parallel.ep_size:
+        raise ValueError(f"--world {args.world}: parallel.ep_size={cfg.parallel.ep_size} must divide the "
+                         f"ranks of a stage ({args.world // args.pipeline})")
+    return cfg, device, args.pipeline
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / GIB:,.2f}"
+
+
+def report(name: str, cfg: RunConfig, world: int, device: int, p: Plan, shown: list[Suggestion],
+           combined: Suggestion | None) -> str:
+    a = p.activation_detail
+    lines = [f"dropless plan: {name}, world {world} (ep {p.ep_size}, {p.world // p.ep_size} expert-data-"
+             f"parallel), {p.tokens} tokens per micro-batch per rank, {'bf16' if p.bf16 else 'fp32'}"
+             + (f", folded pipeline {p.pipeline} (one stage: {cfg.model.n_layers} -> "
+                f"{math.ceil(cfg.model.n_layers / p.pipeline)} blocks on {p.world} ranks)" if p.pipeline > 1 else ""),
+             "", f"{'component':<13} {'bytes per rank':>18} {'GiB':>10}"]
+    for c in COMPONENTS:
+        lines.append(f"{c:<13} {getattr(p, c):>18,} {_gib(getattr(p, c)):>10}")
+    lines.append(f"{'peak':<13} {p.peak:>18,} {_gib(p.peak):>10}")
+    lines += ["", f"activations per micro-batch: head {a.head:,} B; dense block {a.dense_block:,} B x {a.n_dense}; "
+              f"MoE block {a.moe_block:,} B x {a.n_moe}; {a.per_token:,.0f} B/token"
+              + (f"; x {p.pipeline} micro-batches in flight" if p.pipeline > 1 else ""),
+              f"recompute: {cfg.model.recompute or 'none'}; optimizer: {cfg.train.optimizer}"]
+    fits = p.peak <= device
+    lines.append(f"device memory {device:,} B ({_gib(device)} GiB): {'fits' if fits else 'does NOT fit'} "
+                 f"(peak {100 * p.peak / device:.1f}%)")
+    if shown:
+        lines += ["", "knobs (each alone; predicted peak):"]
+        for s in shown:
+            what = " ".join(f"--set '{o}'" for o in s.overrides)
+            verdict = f"refused: {s.refused}" if s.peak is None else (
+                f"{_gib(s.peak)} GiB {'fits' if s.fits else 'does not fit'}")
+            lines.append(f"  {s.knob:<13} {what:<60} {verdict}")
+        if not has_offload():
+            lines.append(f"  {OFFLOAD_NOTE}")
+    if combined is not None:
+        what = " ".join(f"--set '{o}'" for o in combined.overrides)
+        lines.append(f"  combined: {what} -> {_gib(combined.peak)} GiB "
+                     f"{'fits' if combined.fits else 'still does not fit'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        cfg, device, pipeline = build(args)
+        planner = planner_for(pipeline)
+        p = planner(cfg, args.world)
+        shown, combined = [], None
+        if p.peak > 0.9 * device:
+            shown, combined = suggest(cfg, args.world, device, planner, args.world // pipeline)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"dropless plan: error: {e}", file=sys.stderr)
+        return 2
+    print(report(args.config, cfg, args.world, device, p, shown, combined))
+    if args.json:
+        data = {"config": args.config, "world": args.world, "device_memory": device, "fits": p.peak <= device,
+                "overrides": args.overrides, "plan": p.as_dict(),
+                "suggestions": [vars(s) for s in shown], "combined": vars(combined) if combined else None,
+                "offload": "planned" if has_offload() else OFFLOAD_NOTE}
+        out = Path(args.json)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=1, default=list))
+        tmp.replace(out)
+    return 0

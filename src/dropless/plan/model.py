@@ -1,0 +1,200 @@
+"""The bytes one rank holds in training, by component: the planner's arithmetic.
+
+Legend: W ranks, P = ep_size (EP group), edp = W / P (ranks holding the same experts), E experts,
+L = E / P local experts, T tokens per micro-batch per rank, K experts per token, D model width.
+
+What each component is (the layout is distributed/parallelize.py's: EP, then FSDP2):
+- params: fp32 master weights. Every parameter is taken from the model built on the meta device
+  (so a new parameter is counted without touching this file), tied weights once. Dense parameters are
+  FSDP-sharded over all W ranks, the routed experts first sliced to L experts by EP, then sharded over
+  edp. FSDP2 shards dim 0 in ceil(n / W) rows and pads every rank's storage to that, so the busiest
+  rank (rank 0) holds ceil(dim0 / W) * rest of every parameter. W = 1 is the plain one-process trainer.
+- grads: fp32, the same shards (FSDP2's reduce-scatter output is padded like the parameters).
+- optimizer: per parameter shard, AdamW's two moments in fp32 (`adamw`, 8 B per element) or bf16
+  (`adamw_bf16`, 4 B), plus one fp32 step counter per parameter tensor.
+- activations: activations.py (measured on fake tensors), times the micro-batches alive at once: 1
+  here (gradient accumulation runs each micro-batch's backward before the next forward; dropless has
+  no pipeline).
+- ep_buffers: the all-to-all buffers of one MoE layer's forward (send and receive of the dispatch,
+  its routing weights and counts, and the combine): transient, one layer at a time, so counted once.
+  Any run of W > 1 has them, ep_size 1 included (parallelize.py gives every MoE layer an EP
+  dispatcher; over a group of one its all-to-alls are copies).
+  Buffered mode: fixed, factor x the balanced need (parallel.ragged_buffer_factor, capped at the
+  worst case; ep_plan.link_capacity). Exact mode: the balanced need itself (uniform routing; a skewed
+  step needs more).
+- fsdp_gather: FSDP2's all-gathered (unsharded, fp32: no mixed-precision policy) parameters alive at
+  once: the root unit (embedding, final norm, LM head: the root is not resharded between forward and
+  backward) plus two of the largest block's units (the running one and the prefetched next). 0 at W=1.
+- loss_grad: the backward of the loss, the largest transient of many runs: the fp32 gradient of the
+  logits [T, V] and its copy in the logits' dtype.
+- peak: params + optimizer + activations + ep_buffers + fsdp_gather + loss_grad + the gradients that
+  can be alive with all activations: all of them with gradient accumulation (grad_accum > 1: the
+  second micro-batch's forward runs over the first one's gradients), else the largest unit's
+  gradient (gradients fill in as the activations are freed). An estimate of the simultaneous sum, not
+  an allocator trace: the caching allocator's fragmentation and the framework's workspaces come on
+  top (no GPU measurement of it has been made in dropless yet).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..config import RunConfig
+from ..distributed.ep_plan import link_capacity
+from ..config import apply_overrides
+from ..model import MoEModel
+from ..ops import quant_gemm
+from .activations import ActivationBytes, activation_bytes
+
+COMPONENTS = ("params", "grads", "optimizer", "activations", "ep_buffers", "fsdp_gather", "loss_grad")
+EXPERT_PARAMS = ("w_gate_up_EDF", "w_down_EFD")
+MOMENT_BYTES = {"adamw": 8, "adamw_bf16": 4}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Bytes per rank (the busiest rank), by component, and what they were computed for."""
+
+    world: int
+    ep_size: int
+    tokens: int  # per micro-batch per rank
+    bf16: bool
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    ep_buffers: int
+    fsdp_gather: int
+    loss_grad: int
+    peak: int
+    activation_detail: ActivationBytes
+    pipeline: int = 1  # planner-only folding of a pipeline-parallel recipe (plan/cli.py); 1 in dropless
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["activation_detail"] = {**asdict(self.activation_detail), "total": self.activation_detail.total}
+        return d
+
+
+def _shard(numel: int, dim0: int, ranks: int) -> int:
+    """Elements of the busiest rank's FSDP2 shard of a tensor (dim 0 split in ceil(dim0/ranks) rows)."""
+    if ranks == 1 or dim0 == 0:
+        return numel
+    return math.ceil(dim0 / ranks) * (numel // dim0)
+
+
+def _meta_model(cfg: RunConfig) -> MoEModel:
+    with torch.device("meta"):
+        return MoEModel(cfg.model)
+
+
+def shard_elements(cfg: RunConfig, world: int) -> dict[str, int]:
+    """Parameter elements on the busiest rank: {'dense', 'experts', 'tensors'} and the unsharded
+    sizes of the FSDP units for the gather (module note)."""
+    ep = cfg.parallel.ep_size
+    edp = world // ep
+    model = _meta_model(cfg)
+    dense = experts = tensors = 0
+    for name, p in model.named_parameters():  # tied weights are listed once
+        tensors += 1
+        dim0 = p.shape[0] if p.dim() else 1
+        if name.rsplit(".", 1)[-1] in EXPERT_PARAMS:
+            local0 = dim0 // ep
+            experts += _shard(p.numel() // ep, local0, edp if world > 1 else 1)
+        else:
+            dense += _shard(p.numel(), dim0, world)
+    root = sum(p.numel() for m in (model.embed, model.norm, model.head) for p in m.parameters())
+    if model.cfg.tie_embeddings:
+        root -= model.head.weight.numel()
+    # a block's gathered units: its own parameters, with the experts cut to this rank's EP slice
+    # (the experts and the router are units of their own, gathered while the block runs)
+    def block_unit(b: torch.nn.Module) -> int:
+        whole = sum(p.numel() for p in b.parameters())
+        if not b.is_moe:
+            return whole
+        return whole - sum(getattr(b.ffn.experts, n).numel() for n in EXPERT_PARAMS) * (ep - 1) // ep
+
+    return {"dense": dense, "experts": experts, "tensors": tensors, "root": root,
+            "block": max((block_unit(b) for b in model.blocks), default=0)}
+
+
+def ep_rows(cfg: RunConfig, tokens: int, world: int) -> tuple[int, int] | None:
+    """(L, R): local experts and expert GEMM rows per MoE layer under the EP dispatcher; None in one
+    process. Every distributed run has it, ep_size 1 included (parallelize.py installs an EP
+    dispatcher over a group of one, whose all-to-alls are copies)."""
+    p, m = cfg.parallel, cfg.model.moe
+    if world == 1:
+        return None
+    L = m.num_experts // p.ep_size
+    align = math.lcm(m.align, quant_gemm.plan_align(m.precision, 1))  # layers/dispatch.py dispatch_align
+    if p.ep_mode == "buffered":
+        slots = p.ep_size * link_capacity(p.max_tokens_per_rank or tokens, m.top_k, L, p.ep_size,
+                                          p.ragged_buffer_factor)
+    else:
+        slots = tokens * m.top_k  # balanced: every rank receives what it sends
+    return L, slots + L * (align - 1)
+
+
+def _expected_rank_hits(E: int, K: int, L: int) -> float:
+    """Expected number of EP ranks (of E/L) a token's K distinct uniform experts fall on."""
+    miss = math.comb(E - L, K) / math.comb(E, K) if E - L >= K else 0.0
+    return (E // L) * (1 - miss)
+
+
+def ep_buffer_bytes(cfg: RunConfig, tokens: int, bf16: bool, world: int) -> int:
+    """The all-to-all buffers of one MoE layer's forward on one rank (module note): each trip's
+    input and output storage, as distributed/comm.py allocates them; 0 in one process (see ep_rows:
+    any world > 1 has them, ep_size 1 included)."""
+    p, m = cfg.parallel, cfg.model.moe
+    if world == 1 or cfg.model.n_layers == cfg.model.n_dense_layers:
+        return 0
+    P, K, D, L = p.ep_size, m.top_k, cfg.model.d_model, m.num_experts // p.ep_size
+    x_es = 4  # the MoE layer's input is the fp32 residual stream, normed (even under autocast)
+    y_es = 2 if bf16 else 4  # the experts' output rows: the compute dtype
+    counts = 2 * P * (L + 1) * 8
+    if p.ep_mode == "buffered":
+        C = link_capacity(p.max_tokens_per_rank or tokens, K, L, P, p.ragged_buffer_factor)
+        rows = P * min(C, p.max_tokens_per_rank or tokens) if p.dedup else P * C
+        pairs = P * C
+    else:
+        pairs = tokens * K
+        rows = round(tokens * _expected_rank_hits(m.num_experts, K, L)) if p.dedup else pairs
+    meta_w = 8 if p.dedup else 4  # per pair: fp32 weight (+ int32 row index with de-dup)
+    dispatch = (2 * rows + 1) * D * x_es + (2 * pairs + 1) * meta_w
+    combine = (2 * rows + (0 if p.dedup else 1)) * D * y_es
+    return counts + dispatch + combine
+
+
+def plan(cfg: RunConfig, world: int, pipeline: int = 1) -> Plan:
+    """The per-rank bytes of training `cfg` on `world` ranks (module note). `pipeline` > 1 folds a
+    pipeline-parallel recipe (plan/cli.py): the caller passes one stage's layers and ranks; the
+    blocks' activations of `pipeline` micro-batches are alive (1F1B's first stage), the head's of
+    one (the last stage's): an upper bound for both end stages."""
+    ep = cfg.parallel.ep_size
+    if world < 1 or world % ep:
+        raise ValueError(f"--world {world}: must be a positive multiple of parallel.ep_size={ep}")
+    t = cfg.train
+    bf16 = t.dtype != "fp32"  # "auto" plans for an accelerator: bf16 (CUDA and AMX CPUs pick it)
+    tokens = t.batch_size * t.seq_len
+    el = shard_elements(cfg, world)
+    shards = el["dense"] + el["experts"]
+    params = grads = 4 * shards
+    optimizer = MOMENT_BYTES[t.optimizer] * shards + 4 * el["tensors"]
+    act = activation_bytes(cfg.model, t.batch_size, t.seq_len, bf16, ep_rows(cfg, tokens, world))
+    activations = (act.total - act.head) * pipeline + act.head  # the head's micro-batch: once
+    ep_buf = ep_buffer_bytes(cfg, tokens, bf16, world)
+    fsdp = 4 * (el["root"] + 2 * el["block"]) if world > 1 else 0
+    loss_grad = tokens * cfg.model.vocab_size * (4 + (2 if bf16 else 0))
+    unit_grad = 4 * (el["dense"] + el["experts"]) // max(cfg.model.n_layers, 1)
+    live_grads = grads if t.grad_accum > 1 else min(grads, unit_grad)
+    peak = params + optimizer + activations + ep_buf + fsdp + loss_grad + live_grads
+    return Plan(world, ep, tokens, bf16, params, grads, optimizer, activations, ep_buf, fsdp, loss_grad,
+                peak, act, pipeline)
+
+
+def with_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
+    """A validated copy of cfg with dotted `a.b=value` overrides (a ValueError names the field)."""
+    return apply_overrides(cfg, overrides)

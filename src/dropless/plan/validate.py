@@ -1,0 +1,256 @@
+"""`python -m dropless.plan.validate`: the planner's prediction beside bytes measured from real
+tensors, on the CPU, at world 1, 2 and 4 (FSDP2 + EP over gloo, spawned processes).
+
+    python -m dropless.plan.validate [--cases tiny,small,medium] [--worlds 1,2,4] [--steps 2]
+                                     [--dtype bf16|fp32] [--set a.b=value ...] [--no-ep] [--json FILE]
+
+A benchmark, not a test (minutes of CPU). Each case builds the model and optimizer exactly as the
+trainer does (MoEModel seeded on the CPU, distributed/parallelize.py's EP then FSDP2, train/optim.py)
+and runs `--steps` training steps on random tokens; on every rank it measures, from live tensors and
+counted otherwise than the planner counts them:
+- params: the storages of the local parameter shards (DTensor local tensors: FSDP2's padded shards);
+- grads: the storages of the local gradient shards after the backward;
+- optimizer: the storages of the optimizer's state tensors after a step;
+- activations: every storage the forward created that is still alive after it (a dispatch mode sees
+  each op's outputs; weak references tell which survived), less parameter and buffer storages
+  (FSDP2's root keeps its gathered parameters through the forward): what the graph and the model's
+  output keep for the backward. Not the planner's meta count: no saved-tensor hooks, real kernels;
+- ep_buffers: the storages every all-to-all of one MoE layer's forward allocates and sends
+  (distributed/comm.py `_exchange`: its input and its output), averaged over the layers.
+The busiest rank's figure (max over ranks) is compared with the planner's (`plan.model.plan`) for
+the same config; the ratio predicted / measured must lie in [0.9, 1.1] for every component.
+
+Cases: `tiny` is the preset (4 blocks, d=256, 8 experts top-2, 16 x 256 tokens); `small` and
+`medium` are the `bench layer` shapes (T=4096 as 16 x 256, d=512/1024, 64 experts top-8, f=256/512,
+d/64 heads) as a 2-block model (one dense block, one MoE block). Routing is the model's own
+token-choice router at initialisation (not `forced_balance`, whose K consecutive experts per token
+land on one or two EP ranks, far fewer than independent choices: the de-dup traffic would say more
+about that generator than about training). World 2 runs EP 2 in buffered mode; world 4 runs EP 2 x 2 expert-data-parallel
+in exact mode (FSDP shards each expert slice over 2 ranks).
+`--no-ep` keeps ep_size 1 at every world (FSDP only; every MoE layer still gets an EP dispatcher
+over a group of one); `--set` adds overrides to every case (e.g. a recompute mode, which the config
+refuses together with EP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ..config import RunConfig, load_config
+from .model import plan
+
+CASES = {
+    "tiny": [],
+    "small": ["model.d_model=512", "model.n_heads=8", "model.moe.num_experts=64", "model.moe.top_k=8",
+              "model.moe.d_expert=256"],
+    "medium": ["model.d_model=1024", "model.n_heads=16", "model.moe.num_experts=64", "model.moe.top_k=8",
+               "model.moe.d_expert=512"],
+}
+BENCH_SHAPE = ["model.n_layers=2", "model.n_dense_layers=1", "model.d_ff_dense=1024"]
+WORLD_LAYOUT = {1: [], 2: ["parallel.ep_size=2", "parallel.ep_mode=buffered"],
+                4: ["parallel.ep_size=2", "parallel.ep_mode=exact"]}
+MEASURED = ("params", "grads", "optimizer", "activations", "ep_buffers")
+
+
+def case_config(case: str, world: int, dtype: str, extra: tuple[str, ...] = (), ep: bool = True) -> RunConfig:
+    from ..train.run import preset_path
+    over = list(CASES[case]) + (BENCH_SHAPE if case != "tiny" else []) + (WORLD_LAYOUT[world] if ep else [])
+    over += [f"train.dtype={dtype}", "train.device=cpu", *extra]
+    return load_config(preset_path("tiny"), over)
+
+
+class _Alive(TorchDispatchMode):
+    """Every storage an op creates, by weak reference, keyed by address (a freed address reused
+    later is the later storage). `alive_bytes` reads each live storage's size now: FSDP2 frees a
+    resharded unit's gathered parameters by resizing their storage to 0, while tensors that autograd
+    saved still hold the (empty) storage object."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                s = t.untyped_storage()
+                self.storages[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
+        return out
+
+    def alive_bytes(self, skip: set[int]) -> int:
+        return sum(torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+                   for ptr, (ref, _) in self.storages.items() if not ref.expired() and ptr not in skip)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        s = _local(t).untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def measure(cfg: RunConfig, steps: int, distributed: bool) -> dict[str, int]:
+    """One rank's measured bytes (module note); the trainer's build and step, on random tokens."""
+    from ..distributed import comm
+    from ..distributed import parallelize as par
+    from ..model import MoEModel
+    from ..train.optim import build_optimizer
+
+    t = cfg.train
+    torch.manual_seed(t.seed)
+    model = MoEModel(cfg.model)
+    p = cfg.parallel.with_token_bound(t.batch_size * t.seq_len)
+    names: list[str] = []
+    meshes = None
+    if distributed:
+        meshes = par.build_meshes(p.ep_size, "cpu")
+        names = par.parallelize_model(model, meshes, p)
+    opt = build_optimizer(model, t)
+    out: dict[str, int] = {"params": _storage_bytes(list(model.parameters()))}
+    sent: list[int] = []
+    real_exchange = comm._exchange
+    recording = {"on": False}
+
+    def exchange(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        y = real_exchange(x, *args, **kwargs)
+        if recording["on"]:
+            sent.append(x.numel() * x.element_size() + y.untyped_storage().nbytes())
+        return y
+
+    comm._exchange = exchange
+    gen = torch.Generator().manual_seed(t.seed + (dist.get_rank() if distributed else 0))
+    try:
+        for _ in range(steps):
+            tok = torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len + 1), generator=gen)
+            x, y = tok[:, :-1].contiguous(), tok[:, 1:].contiguous()
+            sent.clear()
+            recording["on"] = True
+            with _Alive() as alive, torch.autocast("cpu", torch.bfloat16, enabled=t.dtype == "bf16"):
+                res = model(x, y)
+            recording["on"] = False
+            gc.collect()
+            constants = {_local(q).untyped_storage().data_ptr()
+                         for q in [*model.parameters(), *model.buffers()]}
+            out["activations"] = alive.alive_bytes(constants)
+            del alive
+            n_moe = cfg.model.n_layers - cfg.model.n_dense_layers
+            out["ep_buffers"] = sum(sent) // n_moe if sent and n_moe else 0
+            res.loss.backward()
+            del res
+            if distributed:
+                par.finish_grads_(model, names, meshes.mesh.size(1), t.grad_clip, meshes.dp_group)
+            out["grads"] = _storage_bytes([q.grad for q in model.parameters() if q.grad is not None])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            out["optimizer"] = _storage_bytes([v for s in opt.state.values() for v in s.values()
+                                               if isinstance(v, torch.Tensor)])
+    finally:
+        comm._exchange = real_exchange
+    return out
+
+
+def _worker(rank: int, world: int, store: str, cfg: RunConfig, steps: int, outdir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        m = measure(cfg, steps, distributed=True)
+        Path(outdir, f"rank{rank}.json").write_text(json.dumps(m))
+    finally:
+        dist.destroy_process_group()
+
+
+def measured_max(cfg: RunConfig, world: int, steps: int) -> dict[str, int]:
+    """The busiest rank's figure of each component (max over ranks); world > 1 spawns gloo ranks."""
+    if world == 1:
+        torch.set_num_threads(1)
+        return measure(cfg, steps, distributed=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), cfg, steps, tmp),
+                           nprocs=world, start_method="spawn")
+        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+    return {k: max(r[k] for r in ranks) for k in ranks[0]}
+
+
+def rows_for(case: str, world: int, dtype: str, steps: int, extra: tuple[str, ...] = (),
+             ep: bool = True) -> list[dict[str, Any]]:
+    cfg = case_config(case, world, dtype, extra, ep)
+    pred = plan(cfg, world).as_dict()
+    meas = measured_max(cfg, world, steps)
+    rows = []
+    for comp in MEASURED:
+        m, p = meas[comp], pred[comp]
+        ratio = p / m if m else (1.0 if p == 0 else float("inf"))
+        rows.append({"case": case, "world": world, "ep_size": cfg.parallel.ep_size,
+                     "ep_mode": cfg.parallel.ep_mode, "dtype": dtype, "component": comp,
+                     "predicted": p, "measured": m, "ratio": ratio, "ok": 0.9 <= ratio <= 1.1})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dropless.plan.validate", description=__doc__.split("\n")[0])
+    ap.add_argument("--cases", default="tiny,small,medium")
+    ap.add_argument("--worlds", default="1,2,4")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="a.b=value",
+                    help="extra config overrides for every case (e.g. model.recompute=[\"layer\"])")
+    ap.add_argument("--no-ep", action="store_true", help="FSDP only at every world (no expert parallelism)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    try:
+        cases = args.cases.split(",")
+        worlds = [int(w) for w in args.worlds.split(",")]
+        for c in cases:
+            if c not in CASES:
+                raise ValueError(f"--cases: {c!r} is not one of {', '.join(CASES)}")
+        for w in worlds:
+            if w not in WORLD_LAYOUT:
+                raise ValueError(f"--worlds: {w} is not one of {', '.join(map(str, WORLD_LAYOUT))}")
+        if args.steps < 1:
+            raise ValueError(f"--steps {args.steps}: must be >= 1")
+        for c in cases:
+            for w in worlds:
+                case_config(c, w, args.dtype, tuple(args.overrides), not args.no_ep)  # refuse early
+    except ValueError as e:
+        print(f"dropless plan validate: error: {e}", file=sys.stderr)
+        return 2
+    from tqdm import tqdm
+    rows: list[dict[str, Any]] = []
+    for case, world in tqdm([(c, w) for c in cases for w in worlds], desc="plan validate", file=sys.stderr):
+        rows += rows_for(case, world, args.dtype, args.steps, tuple(args.overrides), not args.no_ep)
+    print(f"{'case':<7} {'world':>5} {'ep':>3} {'mode':<8} {'component':<12} {'predicted B':>14} "
+          f"{'measured B':>14} {'ratio':>7}")
+    for r in rows:
+        print(f"{r['case']:<7} {r['world']:>5} {r['ep_size']:>3} {r['ep_mode']:<8} {r['component']:<12} "
+              f"{r['predicted']:>14,} {r['measured']:>14,} {r['ratio']:>7.4f}{'' if r['ok'] else '  OUTSIDE 10%'}")
+    bad = [r for r in rows if not r["ok"]]
+    print(f"{len(rows) - len(bad)} of {len(rows)} components within 10%")
+    if args.json:
+        tmp = Path(args.json).with_suffix(".tmp")
+        tmp.write_text(json.dumps(rows, indent=1))
+        tmp.replace(args.json)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
