@@ -199,9 +199,6 @@ def describe_balancing(cfg: ModelConfig, family: str) -> str:
 
 
 def copy_tokenizer(hf_dir: Path, dest: Path) -> list[str]:
-    if not (hf_dir / "tokenizer.json").is_file():
-        raise ValueError(f"{hf_dir}: no tokenizer.json (the run trains and generates with the "
-                         "checkpoint's own tokenizer)")
     dest.mkdir(parents=True, exist_ok=True)
     copied = [n for n in TOKENIZER_FILES if (hf_dir / n).is_file()]
     for n in copied:
@@ -220,6 +217,9 @@ def write_run(hf_dir: str | Path, out: str | Path, overrides: list[str] | None =
     hf_dir, out = Path(hf_dir), Path(out).absolute()
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"--out {out}: exists and is not empty")
+    if not (hf_dir / "tokenizer.json").is_file():
+        raise ValueError(f"{hf_dir}: no tokenizer.json (the run trains and generates with the "
+                         "checkpoint's own tokenizer)")
     model, family = load_model(hf_dir, progress)
     cfg = run_config(model.cfg, out / "tokenizer" / "tokenizer.json", overrides or [])
     tmp = out.parent / f".{out.name}.import-{os.getpid()}"
