@@ -38,8 +38,9 @@ def mixtral_config(**kw: Any) -> Any:
     return transformers.MixtralConfig(**args)
 
 
-def write_tokenizer(folder: Path) -> None:
-    """A byte-level BPE tokenizer.json with VOCAB - 8 tokens, trained on a few lines of Python."""
+def write_tokenizer(folder: Path, added: int = 0) -> None:
+    """A byte-level BPE tokenizer.json of at most VOCAB - 8 tokens trained on a few lines of Python,
+    plus `added` added tokens."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
 
     tok = Tokenizer(models.BPE())
@@ -47,8 +48,10 @@ def write_tokenizer(folder: Path) -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=VOCAB - 8, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    text = ["def f(x):\n    return x + 1\n", "import os\nimport sys\n", "class A:\n    pass\n"] * 20
+    text = ["def f(x):\n    return x + 1\n", "import os\nimport sys\n", "class A:\n    pass\n",
+            "for i in range(10):\n    print(i, i * i, str(i).upper())\n", "with open(path) as fh:\n"] * 20
     tok.train_from_iterator(text, trainer)
+    tok.add_tokens([f"<extra_{i}>" for i in range(added)])
     tok.save(str(folder / "tokenizer.json"))
 
 

@@ -101,7 +101,8 @@ def _nothing_written(parent: Path, name: str) -> bool:
     return not (parent / name).exists() and not any(p.name.startswith(f".{name}.") for p in parent.iterdir())
 
 
-@pytest.mark.parametrize("case", ["no_tokenizer", "deepseek", "out_not_empty", "missing_shard"])
+@pytest.mark.parametrize("case", ["no_tokenizer", "deepseek", "out_not_empty", "missing_shard", "tokenizer_too_big",
+                                  "model_override"])
 def test_import_bad_input_exits_2_and_writes_nothing(tmp_path: Path, case: str,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     src = tmp_path / "src"
@@ -111,16 +112,23 @@ def test_import_bad_input_exits_2_and_writes_nothing(tmp_path: Path, case: str,
         (src / "config.json").write_text(json.dumps({**c, "model_type": "deepseek_v3"}))
     if case == "missing_shard":
         next(src.glob("model-00002-*.safetensors")).unlink()
+    if case == "tokenizer_too_big":  # found after the run folder was begun: it must be removed again
+        from hf_models import write_tokenizer
+
+        write_tokenizer(src, added=40)
     out = tmp_path / "run"
     if case == "out_not_empty":
         out.mkdir()
         (out / "keep").write_text("x")
     capsys.readouterr()  # (save_pretrained's progress bar)
-    assert cli(["import-hf", str(src), "--out", str(out), "--no-progress"]) == 2
+    extra = ["--set", "model.moe.top_k=1"] if case == "model_override" else []
+    assert cli(["import-hf", str(src), "--out", str(out), "--no-progress", *extra]) == 2
     err = capsys.readouterr().err
     assert err.startswith("dropless import-hf: error: ")
     expect = {"no_tokenizer": "no tokenizer.json", "deepseek": "model_type='deepseek_v3'",
-              "out_not_empty": "not empty", "missing_shard": "model-00002-of-"}[case]
+              "out_not_empty": "not empty", "missing_shard": "model-00002-of-",
+              "tokenizer_too_big": f"more than config.json vocab_size={VOCAB}",
+              "model_override": "model.moe.top_k comes from config.json"}[case]
     assert expect in err
     if case == "out_not_empty":
         assert [p.name for p in out.iterdir()] == ["keep"]

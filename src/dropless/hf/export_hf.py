@@ -104,6 +104,10 @@ def export(run_dir: str | Path, out: str | Path, family: str, dtype: str = "fp32
     out = Path(out).absolute()
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"--out {out}: exists and is not empty")
+    from ..serve import packed
+
+    if packed.is_packed_run(run_dir):
+        raise ValueError(f"{run_dir}: a quantized run (4-bit experts); export the run it was quantized from")
     cfg, _ = run_config(run_dir)
     torch_dtype, name = DTYPES[dtype]
     hf_cfg = mapping.hf_config(cfg.model, family, name)  # refuses what the family cannot express

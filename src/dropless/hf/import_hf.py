@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..config import DataConfig, ModelConfig, RunConfig, apply_overrides, save_config
+from ..config import DataConfig, ModelConfig, RunConfig, apply_overrides, save_config, to_dict
 from ..model import MoEModel
 from . import mapping
 
@@ -212,9 +212,14 @@ def write_run(hf_dir: str | Path, out: str | Path, overrides: list[str] | None =
     from ..train import checkpoint as ckpt
     from ..train import dist_checkpoint
     from ..train.optim import build_optimizer
-    from ..config import to_dict
+    from ..train.resume import is_fixed
 
     hf_dir, out = Path(hf_dir), Path(out).absolute()
+    for o in overrides or []:
+        name = o.split("=", 1)[0].strip()
+        if is_fixed(name):  # the checkpoint written below must be the model config.json describes
+            raise ValueError(f"--set {o}: {name} comes from config.json and the imported weights; "
+                             "change it in a new run (dropless train --init-from hf:DIR --set ...)")
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"--out {out}: exists and is not empty")
     if not (hf_dir / "tokenizer.json").is_file():

@@ -209,6 +209,9 @@ def hf_config(cfg: ModelConfig, family: str, dtype: str = "float32") -> dict[str
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
         "attention_dropout": 0.0, "num_experts_per_tok": m.top_k, "output_router_logits": False,
         "router_aux_loss_coef": m.balance.aux_loss_coeff * cfg.n_moe_layers / m.top_k, "use_cache": True,
+        # unknown here (export fills them from the tokenizer's generation_config.json); explicit, so
+        # that no family default (Mixtral: bos 1, eos 2) is taken for this tokenizer's ids
+        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
     }
     if family == "qwen3_moe":
         out.update({"num_experts": m.num_experts, "moe_intermediate_size": m.d_expert,
