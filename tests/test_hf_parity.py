@@ -171,6 +171,14 @@ def test_export_refuses_what_the_family_cannot_express(tmp_path: Path, family: s
         mapping.hf_config(cfg.model, family)
 
 
+def test_qwen3_export_needs_qk_norm() -> None:
+    """Qwen3 always normalises q and k: a model without q/k norm is not a Qwen3-MoE (it is a Mixtral)."""
+    cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=32, n_dense_layers=0)
+    with pytest.raises(ValueError, match=r"model\.qk_norm=False: qwen3_moe cannot express it"):
+        mapping.hf_config(cfg, "qwen3_moe")
+    assert mapping.hf_config(cfg, "mixtral")["model_type"] == "mixtral"
+
+
 @pytest.mark.parametrize("field,value", [
     ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
     ("use_sliding_window", True),
