@@ -180,13 +180,17 @@ def weight_loader(hf_dir: str | Path, progress: bool = False) -> Callable[[MoEMo
     return lambda model: load_weights(model, hf_dir, family, progress)
 
 
-def describe_balancing(cfg: ModelConfig, family: str) -> str:
-    """The balancing rule a fine-tune of this model trains with, in words (for the run log)."""
+def describe_balancing(cfg: ModelConfig, hf: dict[str, Any]) -> str:
+    """The balancing rule a fine-tune of this model (from config.json `hf`) trains with, in words,
+    for the run log: the family's rule (hf/mapping.py), or what --set changed it to."""
+    family, default = hf["model_type"], mapping.model_config(hf)[0].moe.balance
     b, K, L = cfg.moe.balance, cfg.moe.top_k, cfg.n_moe_layers
     rules = []
     if b.aux_loss_coeff > 0:
-        rules.append(f"aux loss per MoE layer, coefficient {b.aux_loss_coeff:.4g} ({family}'s "
-                     f"router_aux_loss_coef x top_k {K} / {L} MoE layers: transformers' loss scale)")
+        why = (f"{family}'s rule: router_aux_loss_coef x top_k {K} / {L} MoE layers, transformers' loss "
+               "scale" if b.aux_loss_coeff == default.aux_loss_coeff else
+               f"set by --set; {family}'s rule gives {default.aux_loss_coeff:.4g}")
+        rules.append(f"aux loss per MoE layer, coefficient {b.aux_loss_coeff:.4g} ({why})")
     if b.seq_aux_loss_coeff > 0:
         rules.append(f"sequence aux loss {b.seq_aux_loss_coeff:.4g}")
     if b.global_aux_loss_coeff > 0:
@@ -225,8 +229,11 @@ def write_run(hf_dir: str | Path, out: str | Path, overrides: list[str] | None =
     if not (hf_dir / "tokenizer.json").is_file():
         raise ValueError(f"{hf_dir}: no tokenizer.json (the run trains and generates with the "
                          "checkpoint's own tokenizer)")
-    model, family = load_model(hf_dir, progress)
-    cfg = run_config(model.cfg, out / "tokenizer" / "tokenizer.json", overrides or [])
+    model_cfg, family = mapping.model_config(read_config(hf_dir))
+    cfg = run_config(model_cfg, out / "tokenizer" / "tokenizer.json", overrides or [])  # fails before loading
+    shard_files(hf_dir)
+    model = MoEModel(cfg.model)  # (only balancing/compute fields of model. may differ from model_cfg)
+    load_weights(model, hf_dir, family, progress)
     tmp = out.parent / f".{out.name}.import-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -265,9 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"dropless import-hf: error: {err}", file=sys.stderr)
         return 2
-    family = read_config(args.hf_dir)["model_type"]
-    print(f"imported {family} from {args.hf_dir} into {args.out}")
-    print(describe_balancing(cfg.model, family))
+    hf = read_config(args.hf_dir)
+    print(f"imported {hf['model_type']} from {args.hf_dir} into {args.out}")
+    print(describe_balancing(cfg.model, hf))
     return 0
 
 

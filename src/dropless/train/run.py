@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     if trainer.is_main:
         print(f"run directory: {run_dir}")
         if source is not None:
-            rule = import_hf.describe_balancing(cfg.model, import_hf.read_config(source)["model_type"])
+            rule = import_hf.describe_balancing(cfg.model, import_hf.read_config(source))
             print(f"initialised from {source}; {rule}")
             trainer.metrics.write({"step": 0, "init_from": str(source), "balancing": rule})
     if trainer.start_step >= cfg.train.steps:  # a finished run: keep its summary, say how to extend it
