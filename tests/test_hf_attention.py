@@ -94,3 +94,21 @@ def test_kv_cache_holds_kv_heads_and_decodes_like_the_full_forward() -> None:
         for b, s in enumerate(seqs):
             full = model(s[:prompt_lens[b] + steps].unsqueeze(0)).logits[0]
             assert_close(got[b], full, KV_DECODE, msg=f"sequence {b}")
+
+
+@pytest.mark.parametrize("modes", [["layer"], ["attn", "norm"]])
+def test_recompute_with_attention_variants_is_bit_identical(modes: list[str]) -> None:
+    """Activation recompute (layers/recompute.py) reruns the same attention on the same inputs: the
+    loss and every gradient equal the plain backward's bit for bit, with every switch on."""
+    grads = []
+    for recompute in ([], modes):
+        torch.manual_seed(0)
+        cfg = ModelConfig(vocab_size=64, n_layers=2, max_seq_len=32, n_dense_layers=1, d_ff_dense=48,
+                          moe=MoEConfig(num_experts=4, top_k=2, d_expert=16), recompute=recompute, **VARIANT)
+        model = MoEModel(cfg)
+        x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+        out = model(x, x)
+        out.loss.backward()
+        grads.append([out.loss] + [p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

@@ -226,3 +226,29 @@ def test_bad_checkpoints_are_refused_by_name(tmp_path: Path) -> None:
     save_file({k: v for k, v in t.items() if k != dropped}, str(tmp_path / victim), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=f"missing tensors: {dropped}"):
         import_hf.load_model(tmp_path)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_import_reads_fused_experts_and_4x_config_fields(tmp_path: Path, family: str) -> None:
+    """Two other spellings of the same checkpoint give the same model: transformers 5's fused
+    in-memory expert layout (its `state_dict()`, written as one file, Mixtral's router as
+    `mlp.gate.weight`), and a 4.x-style config.json (`rope_theta` at top level, Qwen3's `num_experts`)."""
+    from safetensors.torch import save_file
+
+    hf = save_hf(FAMILIES[family](), tmp_path / "a", tokenizer=False)
+    fused = tmp_path / "b"
+    fused.mkdir()
+    sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert any(k.endswith("experts.gate_up_proj") for k in sd)  # really the fused layout
+    save_file(sd, str(fused / import_hf.SINGLE_FILE), metadata={"format": "pt"})
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope["rope_theta"]
+    if family == "qwen3_moe":
+        config["num_experts"] = config.pop("num_local_experts")
+    (fused / "config.json").write_text(json.dumps(config))
+    a, _ = import_hf.load_model(tmp_path / "a")
+    b, _ = import_hf.load_model(fused)
+    assert a.cfg == b.cfg
+    for (n, p), (m, q) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert n == m and torch.equal(p, q), n
