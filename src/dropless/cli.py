@@ -1,4 +1,4 @@
-"""The `dropless` command: `dropless train | generate | evaluate | bench NAME | diagnose`.
+"""The `dropless` command: `dropless train | generate | evaluate | import-hf | export-hf | bench NAME | ...`.
 
 Each subcommand lives in its own module and parses its own arguments, so `dropless bench layer -h`
 shows that benchmark's options and importing the CLI stays cheap.
@@ -20,6 +20,8 @@ COMMANDS = {
     "quantize": ("dropless.serve.quantize", "store a run's routed experts in 4 bits (mxfp4 | nvfp4)"),
     "evaluate": ("dropless.serve.evaluate_cli", "validation loss of a run (fewer experts: --serve-top-k)"),
     "plan": ("dropless.plan.cli", "predict per-rank training memory (and which knob makes it fit)"),
+    "import-hf": ("dropless.hf.import_hf", "a Hugging Face Qwen3-MoE / Mixtral checkpoint as a run"),
+    "export-hf": ("dropless.hf.export_hf", "a run as a Hugging Face checkpoint (qwen3_moe | mixtral)"),
 }
 BENCHMARKS = {
     "layer": "dropless.bench.layer",

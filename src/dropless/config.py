@@ -125,6 +125,12 @@ class ModelConfig:
     d_model: int = 256
     n_layers: int = 4
     n_heads: int = 4
+    # grouped-query attention: key/value heads, each shared by n_heads / n_kv_heads query heads
+    # (0 = n_heads: multi-head attention)
+    n_kv_heads: int = 0
+    head_dim: int = 0  # width of one head (0 = d_model / n_heads; Qwen3 sets it explicitly)
+    qk_norm: bool = False  # RMSNorm of each query and key head before the rotary (Qwen3)
+    attn_bias: bool = False  # biases on the q, k, v and output projections
     max_seq_len: int = 256
     n_dense_layers: int = 1
     d_ff_dense: int = 512  # hidden width of the dense MLP layers
@@ -143,10 +149,19 @@ class ModelConfig:
             self.moe = from_dict(MoEConfig, self.moe, "model.moe.")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "d_ff_dense"):
             _positive(f"model.{name}", getattr(self, name))
-        if self.d_model % self.n_heads:
-            _fail("model.n_heads", self.n_heads, f"does not divide d_model={self.d_model}")
-        if (self.d_model // self.n_heads) % 2:
-            _fail("model.n_heads", self.n_heads, "head width d_model/n_heads must be even for rotary positions")
+        for name in ("n_kv_heads", "head_dim"):
+            if isinstance(getattr(self, name), bool) or not getattr(self, name) >= 0:
+                _fail(f"model.{name}", getattr(self, name), "must be >= 0 (0 = the default)")
+        if self.n_heads % self.kv_heads:
+            _fail("model.n_kv_heads", self.n_kv_heads, f"does not divide n_heads={self.n_heads}")
+        if not self.head_dim and self.d_model % self.n_heads:
+            _fail("model.n_heads", self.n_heads, f"does not divide d_model={self.d_model} (or set model.head_dim)")
+        if self.head_width % 2:
+            _fail("model.head_dim" if self.head_dim else "model.n_heads", self.head_dim or self.n_heads,
+                  f"head width {self.head_width} must be even for rotary positions")
+        for name in ("qk_norm", "attn_bias"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(f"model.{name}", getattr(self, name), "must be true or false")
         if not 0 <= self.n_dense_layers <= self.n_layers:
             _fail("model.n_dense_layers", self.n_dense_layers, f"must be in [0, n_layers={self.n_layers}]")
         if not self.rope_theta > 0:
@@ -163,6 +178,14 @@ class ModelConfig:
                 if width % block:
                     _fail(name, width, f"must be a multiple of {block} with model.moe.precision="
                           f"{self.moe.precision!r} (its GEMM blocks along both widths)")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_width(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
 
     @property
     def n_moe_layers(self) -> int:

@@ -31,7 +31,8 @@ import torch
 
 
 class LayerKVCache:
-    """Preallocated keys and values of one attention layer (multi-head: H = the query heads)."""
+    """Preallocated keys and values of one attention layer (H = the key/value heads: the query heads
+    for multi-head attention, fewer for grouped-query)."""
 
     def __init__(self, batch: int, n_heads: int, capacity: int, head_dim: int) -> None:
         self.shape = (batch, n_heads, capacity, head_dim)
@@ -68,8 +69,7 @@ class KVCache:
     @classmethod
     def for_model(cls, model: torch.nn.Module, batch: int, capacity: int) -> "KVCache":
         cfg = model.cfg
-        return cls(cfg.n_layers, batch, capacity, cfg.n_heads, cfg.d_model // cfg.n_heads,
-                   model.embed.weight.device)
+        return cls(cfg.n_layers, batch, capacity, cfg.kv_heads, cfg.head_width, model.embed.weight.device)
 
     def begin(self, S: int, valid_BS: torch.Tensor | None) -> torch.Tensor:
         """Record the validity of the S tokens of the next call (None: all real) and return its

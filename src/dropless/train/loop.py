@@ -37,7 +37,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -71,8 +71,11 @@ class StepLosses:
 
 class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: str | Path, resume: bool = False,
-                 device: torch.device | None = None) -> None:
-        """`device` overrides `train.device` (tests run a step on "meta")."""
+                 device: torch.device | None = None,
+                 init_weights: Callable[[MoEModel], None] | None = None) -> None:
+        """`device` overrides `train.device` (tests run a step on "meta"). `init_weights` fills the
+        freshly built model (on the CPU, before it is moved or parallelized), e.g. from a Hugging
+        Face checkpoint (`dropless train --init-from hf:DIR`)."""
         self.cfg = cfg
         t = cfg.train
         backend = dist.get_backend() if dist.is_initialized() else None
@@ -110,7 +113,10 @@ class Trainer:
             raise ValueError(f"parallel.ep_size={p.ep_size}: expert parallelism needs several processes "
                              "(dropless train --nproc N, or torchrun -m dropless.train)")
         # Built on the CPU with the same seed on every rank and device: identical initial weights.
-        self.model = MoEModel(cfg.model).to(self.device)
+        self.model = MoEModel(cfg.model)
+        if init_weights is not None and not resume:
+            init_weights(self.model)
+        self.model = self.model.to(self.device)
         self.param_counts = self.model.num_params()  # before sharding: global counts
         self.meshes: par.Meshes | None = None
         self.expert_names: list[str] = []

@@ -1,7 +1,13 @@
 """`dropless train`: build the config (preset + overrides), pick the run directory, train.
 
     dropless train [--config NAME|FILE] [--set a.b=value ...] [--run-dir DIR] [--resume] [--nproc N]
-                   [--replay-routing RECORD]
+                   [--replay-routing RECORD] [--init-from hf:DIR]
+
+`--init-from hf:DIR` fine-tunes a Hugging Face Qwen3-MoE or Mixtral checkpoint (hf/, docs/hf.md): the
+run takes the checkpoint's model (config.json, through hf/mapping.py, including its balancing rule)
+and tokenizer (DIR/tokenizer.json), the preset's train/data/log sections, then the `--set`
+overrides; the weights are loaded into the fresh model before anything else touches it. The run log
+says which balancing rule is active.
 
 `--replay-routing RECORD` trains on a routing record's sequences with its expert ids (routing replay,
 train/replay_data.py); it is `--set data.replay_routing=RECORD`, so config.toml keeps it for --resume.
@@ -74,6 +80,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--replay-routing", default=None, metavar="RECORD",
                    help="train on this routing record's sequences, replaying its expert ids "
                         "(= --set data.replay_routing=RECORD)")
+    p.add_argument("--init-from", default=None, metavar="hf:DIR",
+                   help="start from a Hugging Face checkpoint (its model, weights and tokenizer; "
+                        "the preset's train/data/log sections; then --set)")
     p.add_argument("--nproc", type=int, default=0,
                    help="processes to launch with torchrun (default: one process, no launcher)")
     return p
@@ -117,6 +126,11 @@ def resolve_config(args: argparse.Namespace, path: Path, run_dir: Path, quiet: b
     if not args.resume:
         if ckpt.latest_checkpoint(run_dir) is not None:
             raise ValueError(f"--run-dir {run_dir} already holds checkpoints: pass --resume, or choose another")
+        source = init_source(args)
+        if source is not None:
+            from ..hf import import_hf
+
+            return import_hf.init_config(source, load_config(path), args.overrides)
         return load_config(path, args.overrides)
     latest = ckpt.latest_checkpoint(run_dir)
     if latest is None:
@@ -132,6 +146,18 @@ def resolve_config(args: argparse.Namespace, path: Path, run_dir: Path, quiet: b
             print(note, file=sys.stderr, flush=True)
     resume.check_resume_config(saved["config"], cfg, int(saved["step"]))  # before any process starts
     return cfg
+
+
+def init_source(args: argparse.Namespace) -> Path | None:
+    """The Hugging Face folder of `--init-from hf:DIR`, or None."""
+    if args.init_from is None:
+        return None
+    if not args.init_from.startswith("hf:") or len(args.init_from) == 3:
+        raise ValueError(f"--init-from {args.init_from!r}: expected hf:DIR (a Hugging Face checkpoint folder)")
+    if args.resume:
+        raise ValueError(f"--init-from {args.init_from} with --resume: a resumed run continues from its own "
+                         "checkpoint")
+    return Path(args.init_from[3:])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,12 +185,22 @@ def main(argv: list[str] | None = None) -> int:
             run_dir, cfg = _prepare(args, path)
         from .loop import Trainer
 
-        trainer = Trainer(cfg, run_dir, resume=args.resume)
+        source = init_source(args)
+        init_weights = None
+        if source is not None:
+            from ..hf import import_hf
+
+            init_weights = import_hf.weight_loader(source, progress=cfg.log.progress)
+        trainer = Trainer(cfg, run_dir, resume=args.resume, init_weights=init_weights)
     except (ValueError, FileNotFoundError) as err:
         print(f"dropless train: error: {err}", file=sys.stderr)
         return 2
     if trainer.is_main:
         print(f"run directory: {run_dir}")
+        if source is not None:
+            rule = import_hf.describe_balancing(cfg.model, import_hf.read_config(source))
+            print(f"initialised from {source}; {rule}")
+            trainer.metrics.write({"step": 0, "init_from": str(source), "balancing": rule})
     if trainer.start_step >= cfg.train.steps:  # a finished run: keep its summary, say how to extend it
         if trainer.is_main:
             print(f"nothing to train: the run is complete at step {trainer.start_step} "

@@ -1,0 +1,1 @@
+"""Hugging Face checkpoints in and out (Qwen3-MoE, Mixtral): docs/hf.md."""

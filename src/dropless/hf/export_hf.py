@@ -1,0 +1,165 @@
+"""`dropless export-hf RUN_DIR --out DIR --family qwen3_moe|mixtral`: a run as a Hugging Face checkpoint.
+
+    dropless export-hf RUN_DIR --out DIR --family qwen3_moe|mixtral [--dtype fp32|bf16]
+                       [--max-shard-size-mb N]
+
+Writes `config.json`, the weights as safetensors shards of at most N MB with
+`model.safetensors.index.json` (one `model.safetensors` when they fit in one), and the run's tokenizer
+files (those `import-hf` copied, or the folder of `data.tokenizer_path`), so that
+`transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads it with no missing or unexpected keys.
+The names and layouts are hf/mapping.py's table read backwards: the per-expert layout that
+`save_pretrained` writes. A dropless config the family cannot express (sigmoid scores, group-limited
+routing, an expert bias, shared experts, ...) is a ValueError naming the field, before anything is
+written; the folder is assembled hidden and renamed into place at the end.
+
+Streaming: a shard's tensors are copied out of the model (cast to the output dtype) until the shard is
+full, written, and dropped, so at most one shard is held beside the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ..model import MoEModel
+from . import mapping
+from .import_hf import INDEX_FILE, SINGLE_FILE, TOKENIZER_FILES, _safetensors
+
+DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16")}
+
+
+def hf_tensors(model: MoEModel, family: str, dtype: torch.dtype = torch.float32
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every tensor of the checkpoint, each a fresh contiguous copy."""
+    params = dict(model.named_parameters())
+    for slot in mapping.slots(model.cfg, family):
+        p = params[slot.param].detach()
+        region = p[slot.index] if slot.index else p
+        t = region.transpose(-1, -2) if slot.transpose else region
+        yield slot.hf_name, t.to(dtype=dtype, device="cpu", copy=True).contiguous()
+
+
+def write_shards(tensors: Iterator[tuple[str, torch.Tensor]], folder: Path, max_shard_bytes: int) -> list[str]:
+    """Write the tensors as shards of at most `max_shard_bytes` (a larger tensor gets a shard of its
+    own) and the index; returns the file names."""
+    _safetensors()
+    from safetensors.torch import save_file
+
+    pending: dict[str, torch.Tensor] = {}
+    size, total, parts = 0, 0, []  # parts: (temporary name, tensor names)
+
+    def flush() -> None:
+        nonlocal pending, size
+        if pending:
+            name = f".part-{len(parts)}.safetensors"
+            save_file(pending, str(folder / name), metadata={"format": "pt"})
+            parts.append((name, list(pending)))
+            pending, size = {}, 0
+
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if pending and size + nbytes > max_shard_bytes:
+            flush()
+        pending[name] = t
+        size += nbytes
+        total += nbytes
+    flush()
+    if len(parts) == 1:
+        os.replace(folder / parts[0][0], folder / SINGLE_FILE)
+        return [SINGLE_FILE]
+    weight_map, files = {}, []
+    for i, (tmp, names) in enumerate(parts):
+        final = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
+        os.replace(folder / tmp, folder / final)
+        files.append(final)
+        weight_map.update({n: final for n in names})
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return files
+
+
+def tokenizer_folder(tokenizer: str, tokenizer_path: str | None) -> Path | None:
+    if tokenizer != "hf" or not tokenizer_path:
+        return None
+    p = Path(tokenizer_path)
+    return p if p.is_dir() else p.parent
+
+
+def export(run_dir: str | Path, out: str | Path, family: str, dtype: str = "fp32",
+           max_shard_mb: float = 5000.0) -> list[str]:
+    """Export the latest checkpoint of `run_dir` (module note); returns the files written."""
+    from ..serve.load import load_model, run_config
+
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    if not max_shard_mb > 0:
+        raise ValueError(f"--max-shard-size-mb {max_shard_mb}: must be > 0")
+    out = Path(out).absolute()
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"--out {out}: exists and is not empty")
+    from ..serve import packed
+
+    if packed.is_packed_run(run_dir):
+        raise ValueError(f"{run_dir}: a quantized run (4-bit experts); export the run it was quantized from")
+    cfg, _ = run_config(run_dir)
+    torch_dtype, name = DTYPES[dtype]
+    hf_cfg = mapping.hf_config(cfg.model, family, name)  # refuses what the family cannot express
+    tok = tokenizer_folder(cfg.data.tokenizer, cfg.data.tokenizer_path)
+    if tok is not None and not (tok / "tokenizer.json").is_file():
+        raise ValueError(f"data.tokenizer_path={cfg.data.tokenizer_path!r}: no tokenizer.json there to export")
+    model, _ = load_model(run_dir)
+    tmp = out.parent / f".{out.name}.export-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        files = write_shards(hf_tensors(model, family, torch_dtype), tmp, int(max_shard_mb * 2**20))
+        if tok is not None:
+            for n in TOKENIZER_FILES:
+                if (tok / n).is_file():
+                    shutil.copy2(tok / n, tmp / n)
+                    files.append(n)
+            gen = tok / "generation_config.json"
+            if gen.is_file():  # the special token ids the tokenizer's checkpoint declared
+                ids = json.loads(gen.read_text())
+                hf_cfg.update({k: ids[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in ids})
+        else:
+            print(f"dropless export-hf: warning: data.tokenizer={cfg.data.tokenizer!r}: no tokenizer files "
+                  "to export (transformers has no byte tokenizer)", file=sys.stderr)
+        (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return ["config.json", *files]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dropless export-hf",
+                                description="Export a run as a Hugging Face checkpoint (Qwen3-MoE or Mixtral).")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--family", required=True, help=" | ".join(mapping.FAMILIES))
+    p.add_argument("--dtype", default="fp32", help="fp32 | bf16 (the stored weights)")
+    p.add_argument("--max-shard-size-mb", type=float, default=5000.0, help="largest shard, MiB")
+    args = p.parse_args(argv)
+    try:
+        files = export(args.run_dir, args.out, args.family, args.dtype, args.max_shard_size_mb)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"dropless export-hf: error: {err}", file=sys.stderr)
+        return 2
+    print(f"exported {args.run_dir} as {args.family} into {args.out}: {len(files)} files")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
