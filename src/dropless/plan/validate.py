@@ -14,7 +14,11 @@ counted otherwise than the planner counts them:
 - activations: every storage the forward created that is still alive after it (a dispatch mode sees
   each op's outputs; weak references tell which survived), less parameter and buffer storages
   (FSDP2's root keeps its gathered parameters through the forward): what the graph and the model's
-  output keep for the backward. Not the planner's meta count: no saved-tensor hooks, real kernels;
+  output keep for the backward. Not the planner's meta count: no saved-tensor hooks, real kernels.
+  With `model.offload` the host copies (on the CPU, storages like the others) are left out: they
+  are the next component, and the activations are what stays on the device;
+- offload_host: the bytes `model.offloader.counter` says the forward moved to host (0 without
+  offload);
 - ep_buffers: the storages every all-to-all of one MoE layer's forward allocates and sends
   (distributed/comm.py `_exchange`: its input and its output), averaged over the layers.
 The busiest rank's figure (max over ranks) is compared with the planner's (`plan.model.plan`) for
@@ -64,7 +68,7 @@ CASES = {
 BENCH_SHAPE = ["model.n_layers=2", "model.n_dense_layers=1", "model.d_ff_dense=1024"]
 WORLD_LAYOUT = {1: [], 2: ["parallel.ep_size=2", "parallel.ep_mode=buffered"],
                 4: ["parallel.ep_size=2", "parallel.ep_mode=exact"]}
-MEASURED = ("params", "grads", "optimizer", "activations", "ep_buffers")
+MEASURED = ("params", "grads", "optimizer", "activations", "ep_buffers", "offload_host")
 
 
 def case_config(case: str, world: int, dtype: str, extra: tuple[str, ...] = (), ep: bool = True) -> RunConfig:
@@ -113,6 +117,7 @@ def measure(cfg: RunConfig, steps: int, distributed: bool) -> dict[str, int]:
     """One rank's measured bytes (module note); the trainer's build and step, on random tokens."""
     from ..distributed import comm
     from ..distributed import parallelize as par
+    from ..layers import offload
     from ..model import MoEModel
     from ..train.optim import build_optimizer
 
@@ -138,6 +143,15 @@ def measure(cfg: RunConfig, steps: int, distributed: bool) -> dict[str, int]:
         return y
 
     comm._exchange = exchange
+    host_copies: set[int] = set()  # the offload's host storages: not device activations
+    real_copy = offload._HostCopy
+
+    class HostCopy(real_copy):  # type: ignore[misc, valid-type]
+        def __init__(self, t: torch.Tensor, stream: Any) -> None:
+            super().__init__(t, stream)
+            host_copies.add(self.host.data_ptr())
+
+    offload._HostCopy = HostCopy
     gen = torch.Generator().manual_seed(t.seed + (dist.get_rank() if distributed else 0))
     try:
         for _ in range(steps):
@@ -151,7 +165,9 @@ def measure(cfg: RunConfig, steps: int, distributed: bool) -> dict[str, int]:
             gc.collect()
             constants = {_local(q).untyped_storage().data_ptr()
                          for q in [*model.parameters(), *model.buffers()]}
-            out["activations"] = alive.alive_bytes(constants)
+            out["activations"] = alive.alive_bytes(constants | host_copies)
+            host_copies.clear()
+            out["offload_host"] = model.offloader.counter.take().bytes_to_host if model.offloader else 0
             del alive
             n_moe = cfg.model.n_layers - cfg.model.n_dense_layers
             out["ep_buffers"] = sum(sent) // n_moe if sent and n_moe else 0
@@ -166,6 +182,7 @@ def measure(cfg: RunConfig, steps: int, distributed: bool) -> dict[str, int]:
                                                if isinstance(v, torch.Tensor)])
     finally:
         comm._exchange = real_exchange
+        offload._HostCopy = real_copy
     return out
 
 
