@@ -38,6 +38,7 @@ import torch
 
 from ..config import MoEConfig
 from ..ops import permute as P
+from ..ops.lean_experts import RowSource
 from .experts import ExpertBatch, GroupedExperts
 from .router import RoutingDecision
 
@@ -88,7 +89,9 @@ class LocalDispatcher:
     def dispatch(self, x_TD: torch.Tensor, decision: RoutingDecision) -> tuple[ExpertBatch, LocalMeta]:
         plan = self.plan(decision)
         weights_R = P.permute_weights(decision.weights_TK, plan)
-        batch = ExpertBatch(P.permute(x_TD, plan), plan.offsets_E, plan.capacity, weights_R)
+        # the source lets the lean experts re-gather x_RD in the backward instead of keeping it
+        source = RowSource(x_TD, plan.src_R, P.has_padding(plan))
+        batch = ExpertBatch(P.permute(x_TD, plan), plan.offsets_E, plan.capacity, weights_R, source)
         return batch, LocalMeta(pairs_dropped=plan.pairs_dropped(), first_expert=0,
                                 num_local=self.num_experts, plan=plan)
 
