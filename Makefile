@@ -39,6 +39,7 @@ ISA_TESTS += tests/serve/test_packed_experts.py tests/serve/test_quantize.py
 ISA_TESTS += tests/serve/test_kv_cache.py tests/serve/test_generate.py tests/test_decode_experts.py
 ISA_TESTS += tests/test_recompute.py tests/test_routing_norm_topk.py tests/serve/test_serving_topk.py \
 	tests/serve/test_replay_recompute.py tests/serve/test_replay_training.py
+ISA_TESTS += tests/test_lean_experts.py
 ISA_SETTINGS ?= AVX512 AVX2
 
 test-isa: $(STAMP)

@@ -106,9 +106,15 @@ def expert_gemm(x_RD: torch.Tensor, w_EDF: torch.Tensor, batch: ExpertBatch, bac
 
 
 def runs_lean(spec: GroupedExperts | nn.Module) -> bool:
-    """Whether `run_experts` takes the lean Function for this module (module note)."""
-    return (getattr(spec, "lean", True) and spec.precision == quant_gemm.FULL_PRECISION
-            and spec.backend in LEAN_BACKENDS)
+    """Whether `run_experts` takes the lean Function for this module (module note). Under
+    torch.compile only the fused SwiGLU does: the other activations' lean backward differentiates
+    its recomputed activation with `torch.autograd.grad`, which dynamo does not trace (fullgraph
+    would fail), so compiled they keep the plain path (same values, more bytes kept)."""
+    if not (getattr(spec, "lean", True) and spec.precision == quant_gemm.FULL_PRECISION
+            and spec.backend in LEAN_BACKENDS):
+        return False
+    fused = spec.kind == "swiglu" and spec.clamp is None and spec.softcap is None
+    return fused or not torch.compiler.is_compiling()
 
 
 def run_experts(spec: GroupedExperts | nn.Module, x_RD: torch.Tensor, w1_EDW: torch.Tensor,
