@@ -225,9 +225,11 @@ class _Permute(torch.autograd.Function):
         return _gather_sum(grad_RD, row_of_P, ctx.top_k, keep_P), None, None, None, None, None
 
 
-def permute(x_TD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
-    """Gather token rows into expert order: x_RD. Padding rows are zeros."""
-    return _Permute.apply(x_TD, plan.src_R, plan.row_of_P, plan.top_k, has_padding(plan), plan.mask_P)
+def permute(x_TD: torch.Tensor, plan: RoutingPlan, src_R: torch.Tensor | None = None) -> torch.Tensor:
+    """Gather token rows into expert order: x_RD. Padding rows are zeros. `src_R`: `plan.src_R`
+    when the caller already has it (one index tensor instead of a new one per call)."""
+    src_R = plan.src_R if src_R is None else src_R
+    return _Permute.apply(x_TD, src_R, plan.row_of_P, plan.top_k, has_padding(plan), plan.mask_P)
 
 
 class _Combine(torch.autograd.Function):
@@ -271,12 +273,14 @@ def combine(y_RD: torch.Tensor, weights_TK: torch.Tensor, plan: RoutingPlan) -> 
     return _Combine.apply(y_RD, weights_TK, plan.row_of_P, plan.pair_of_R, has_padding(plan))
 
 
-def unpermute(y_RD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+def unpermute(y_RD: torch.Tensor, plan: RoutingPlan, src_R: torch.Tensor | None = None) -> torch.Tensor:
     """out_TD = sum_j y_RD[row of (t, j)]: the adjoint of `permute`, for rows already weighted.
 
     Dropped pairs of a capacity plan count zero (their row_of_P points at row 0, which holds another
-    pair, so they are masked out)."""
-    return _Unpermute.apply(y_RD, plan.row_of_P, plan.src_R, plan.mask_P, plan.top_k, has_padding(plan))
+    pair, so they are masked out). `src_R` as in `permute` (its backward keeps it: pass the one
+    the experts keep too, and the two share a storage)."""
+    src_R = plan.src_R if src_R is None else src_R
+    return _Unpermute.apply(y_RD, plan.row_of_P, src_R, plan.mask_P, plan.top_k, has_padding(plan))
 
 
 class _Unpermute(torch.autograd.Function):
