@@ -166,7 +166,9 @@ def test_lean_experts_op_against_reference_without_source() -> None:
         source = RowSource(x, src_R, True) if with_source else None
         y = fn(x_RD, a, b, offsets_E, w, source)[:11]  # rows past the last group end are unread
         y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(5)))
-        return [y.detach()] + [t.grad for t in leaves]
+        # row 11 lies past the last group end: grouped_mm leaves its h and dgrad uninitialised on
+        # both sides, so its weight gradient is garbage (the layer never reads it); compare the rest
+        return [y.detach(), x.grad, a.grad, b.grad, w.grad[:11]]
 
     ref = grads(lean_experts_reference, False)
     for with_source in (False, True):
