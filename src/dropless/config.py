@@ -192,8 +192,7 @@ class ModelConfig:
         return self.n_layers - self.n_dense_layers
 
 
-RECOMPUTE = ("layer", "full", "moe", "attn", "norm", "shared_experts")
-RECOMPUTE_NOT_YET = ("moe_act",)  # issue 12's name, not built yet: refused
+RECOMPUTE = ("layer", "full", "moe", "attn", "norm", "shared_experts", "moe_act")
 
 
 def check_recompute(modes: list[str], moe: MoEConfig) -> None:
@@ -205,8 +204,6 @@ def check_recompute(modes: list[str], moe: MoEConfig) -> None:
     if isinstance(modes, str) or not all(isinstance(m, str) for m in modes):
         _fail(f, modes, "must be a list of names")
     for m in modes:
-        if m in RECOMPUTE_NOT_YET:
-            _fail(f, m, f"is not implemented yet; available: {', '.join(RECOMPUTE)}")
         _choice(f, m, RECOMPUTE)
     if len(set(modes)) < len(modes):
         _fail(f, modes, "lists a name twice")
@@ -215,6 +212,16 @@ def check_recompute(modes: list[str], moe: MoEConfig) -> None:
         _fail(f, modes, f"{whole[0]!r} recomputes the whole block: list it alone or the finer modes")
     if "shared_experts" in modes and "moe" in modes:
         _fail(f, modes, "'moe' recomputes the shared experts already: list one of them")
+    if "moe_act" in modes:
+        # the lean experts' behaviour, the default (layers/experts.py): accepted where they run
+        if "moe" in modes:
+            _fail(f, modes, "'moe' recomputes the expert activation already: list one of them")
+        if moe.precision != "bf16":
+            _fail(f, modes, f"with model.moe.precision={moe.precision!r}: the low-precision experts "
+                  "keep their activation ('moe_act' is the full-precision lean path)")
+        if moe.capacity_factor is not None or moe.backend == "padded_bmm":
+            _fail(f, modes, f"with model.moe.capacity_factor={moe.capacity_factor}: the capacity "
+                  "layout keeps its activation ('moe_act' is the dropless lean path)")
     if "shared_experts" in modes and not moe.shared_width:
         _fail(f, modes, f"with model.moe.n_shared_experts={moe.n_shared_experts}: no shared experts")
     if whole or "moe" in modes:
