@@ -26,6 +26,7 @@ from dropless.layers.moe import MoELayer
 from dropless.train import ep_buffers
 from dropless.train.ep_buffers import AdaptiveBuffers
 from dropless.train.loop import Trainer
+from host_sync import forbid_host_sync
 from tiny_run import tiny
 
 T, E, K, D = 64, 8, 2, 8
@@ -80,6 +81,22 @@ def _layer_run(rank: int, world: int) -> None:
         assert b >= int(ep_buffers.SHRINK * a), sizes
 
 
+def _no_sync_between_checks(rank: int, world: int) -> None:
+    """auto without spill: a layer call and the controller's observation read nothing on the host
+    (the sizes are host ints set at checks)."""
+    torch.manual_seed(0)
+    ep = shard_moe_layer(MoELayer(D, MoEConfig(num_experts=E, top_k=K, d_expert=6)), None, ParallelConfig(
+        ep_size=world, ep_mode="buffered", ragged_buffer_factor="auto", max_tokens_per_rank=T))
+    ctl = AdaptiveBuffers([ep.dispatcher], T, K, _max_reduce, torch.device("cpu"))
+    ctl.resize([40])
+    x = torch.randn(T, D, requires_grad=True)
+    with forbid_host_sync("host read in an auto-sized buffered EP step"):
+        out = ep(x)
+        out.y.sum().backward()
+        ctl.observe([out.stats])
+    assert ep.dispatcher.capacity(T, K) == 102  # 128 shrunk by SHRINK (target ceil(MARGIN * 40) = 50)
+
+
 def _trainer_run(rank: int, world: int, root: Path) -> None:
     trainer = Trainer(tiny("model.moe.router.use_expert_bias=true", "model.moe.balance.bias_update_rate=0",
                            "parallel.ep_size=2", "parallel.ep_mode=buffered", "parallel.ragged_buffer_factor=auto",
@@ -109,6 +126,7 @@ def _trainer_run(rank: int, world: int, root: Path) -> None:
 
 def _worker(rank: int, world: int, root: Path) -> None:
     _layer_run(rank, world)
+    _no_sync_between_checks(rank, world)
     _trainer_run(rank, world, root)
 
 
