@@ -25,7 +25,9 @@ from dropless.config import MoEConfig, ParallelConfig
 from dropless.distributed.parallelize_ep import shard_moe_layer
 from dropless.layers.moe import MoELayer
 from test_ep import _case_list, _check_parity, _run_case
-from tolerances import EP_REDUCED
+from dropless.train.loop import Trainer
+from tiny_run import tiny
+from tolerances import EP_REDUCED, PARALLEL_TRAIN_LOSS
 
 
 def _spill_cases(rank: int, world: int) -> None:
@@ -74,10 +76,32 @@ def _recompute_case(rank: int, world: int) -> None:
     assert int(st.pairs_spilled) > 0 or world == 1
 
 
-def _worker(rank: int, world: int) -> None:
+def _trainer_case(rank: int, world: int, root: Path) -> None:
+    """The trainer with spill: every token sent to rank 0's experts overflows links at factor 0.5; the
+    steps are applied (no skip, no rerun), the check reports the spilled pairs, and the losses follow
+    exact mode's (the same steps, every pair computed) at the EP noise floor."""
+    base = ("model.moe.router.use_expert_bias=true", "model.moe.balance.bias_update_rate=0",
+            "parallel.ep_size=2", "train.dtype=fp32", "train.steps=4")
+    losses = {}
+    for name, extra in (("exact", ()), ("spill", ("parallel.ep_mode=buffered", "parallel.ragged_buffer_factor=0.5",
+                                                    "parallel.on_overflow=spill"))):
+        trainer = Trainer(tiny(*base, *extra), root / name)
+        for layer in trainer.model.moe_layers():
+            layer.router.set_bias(torch.tensor([1.0, 1.0, 0.0, 0.0]))
+        losses[name] = [float(trainer.train_step(step)[0].loss) for step in range(3)]
+        if name == "spill":
+            row = trainer.overflow.check(2)
+            assert row["ep_pairs_spilled"] > 0 and row["ep_steps_retried"] == 0, row
+            assert int(trainer.overflow.skipped) == 0
+    for a, b in zip(losses["exact"], losses["spill"]):
+        assert abs(a - b) <= PARALLEL_TRAIN_LOSS * abs(a), losses
+
+
+def _worker(rank: int, world: int, root: Path) -> None:
     _spill_cases(rank, world)
     _recompute_case(rank, world)
+    _trainer_case(rank, world, root)
 
 
 def test_spill_matches_single_process(tmp_path: Path) -> None:
-    run_world(_worker, 2, tmp_path)
+    run_world(_worker, 2, tmp_path, tmp_path)

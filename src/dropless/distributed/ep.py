@@ -40,8 +40,11 @@ ranks; their index_add is sequential on CPU; on CUDA it is atomic (order not fix
 torch.use_deterministic_algorithms is on (the trainer's `train.deterministic`, default true), which
 gives index_select's backward a deterministic kernel (PyTorch documents it in that list).
 
-Devices: every tensor is made on x's device (constants with `new_full`); the only host read is exact
-mode's one `.tolist()` of the split sizes.
+Devices: every tensor is made on x's device (constants with `new_full`); the host reads are exact
+mode's one `.tolist()` of the split sizes and, in buffered mode with `on_overflow="spill"`, one int
+(the group's overflow, from the count exchange) plus, when it is nonzero, the spill trip's exact-mode
+read (ep_spill.py). Buffered mode's link size is a host int: a factor of the balanced load, or with
+factor "auto" `link_pairs`, which train/ep_buffers.py sets between steps.
 """
 
 from __future__ import annotations
