@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 
 from ..config import MoEConfig, ParallelConfig
 from ..cpu_alloc import keep_freed_memory
+from ..distributed import ep_replicas as replicas
 from ..distributed.ep import EPDispatcher
 from ..distributed.ep_spill import SpillMeta
 from ..distributed.parallelize_ep import shard_moe_layer
@@ -47,8 +48,11 @@ POLICIES: list[tuple[str, float | str]] = [("fixed 1.0", 1.0), ("fixed 1.5", 1.5
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--scenario", choices=["shifting-skew"], default=None,
-                   help="buffer policies over balanced -> Zipf -> balanced routing (instead of the protocol bench)")
+    p.add_argument("--scenario", choices=["shifting-skew", "replicas"], default=None,
+                   help="shifting-skew: buffer policies over balanced -> Zipf -> balanced routing; replicas: "
+                        "busiest rank's pairs over the mean with hot-expert replication (instead of the protocol bench)")
+    p.add_argument("--replicas", type=int, default=4, help="replicas: R, copies of the busiest experts")
+    p.add_argument("--replica-zipf", type=float, default=1.0, help="replicas: Zipf exponent of the routing")
     p.add_argument("--steps", type=int, default=20, help="shifting-skew: steps per phase")
     p.add_argument("--zipf", type=float, default=1.2, help="shifting-skew: Zipf exponent of the middle phase")
     p.add_argument("--check-every", type=int, default=5, help="shifting-skew: auto's check interval")
@@ -171,7 +175,52 @@ def _worker(rank: int, args: argparse.Namespace, store: str, out_path: str) -> N
     dist.destroy_process_group()
 
 
+def replica_balance(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Busiest rank's pairs over the mean, unreplicated and with R copies (one spare slot per rank,
+    or more when R > P), per expert numbering. The placement comes from step 0's global counts and
+    is measured on the next --steps steps (fresh routing from the same distribution), through
+    `virtual_ids`, the routing the replicating dispatcher sends by. In one process: no collective
+    is needed to count where pairs go."""
+    P, E, K, T, R = args.nproc, args.experts, args.top_k, args.tokens, args.replicas
+    L, S = E // P, max(1, -(-R // (P - 1)))
+    rows = []
+    for numbering in ("hot experts first", "random"):
+        gen = torch.Generator().manual_seed(0)
+        perm = torch.arange(E) if numbering == "hot experts first" else torch.randperm(E, generator=gen)
+
+        def step_ids(step: int) -> list[torch.Tensor]:
+            return [perm[zipf_ids(T, E, K, args.replica_zipf, torch.Generator().manual_seed(1000 * step + r))]
+                    for r in range(P)]
+        counts = torch.bincount(torch.cat(step_ids(0)).reshape(-1), minlength=E)
+        reps = replicas.plan_replicas(counts.tolist(), R, P, S)
+        tables = replicas.slot_tables(reps, E, P, S, torch.device("cpu"))
+        plain, replicated = torch.zeros(P, dtype=torch.float64), torch.zeros(P, dtype=torch.float64)
+        worst_plain, worst_rep = 0.0, 0.0
+        for step in range(1, args.steps + 1):
+            ids = step_ids(step)
+            a = torch.bincount(torch.cat(ids).reshape(-1) // L, minlength=P).double()
+            b = torch.bincount(torch.cat([replicas.virtual_ids(i, tables) for i in ids]).reshape(-1) // (L + S),
+                               minlength=P).double()
+            worst_plain, worst_rep = max(worst_plain, float(a.max() / a.mean())), max(worst_rep, float(b.max() / b.mean()))
+            plain, replicated = plain + a, replicated + b
+        rows.append(dict(numbering=numbering, replicas=len(reps), spare_slots=S,
+                         busiest_over_mean_plain=round(float(plain.max() / plain.mean()), 3),
+                         busiest_over_mean_replicated=round(float(replicated.max() / replicated.mean()), 3),
+                         worst_step_plain=round(worst_plain, 3), worst_step_replicated=round(worst_rep, 3)))
+    return rows
+
+
 def main(args: argparse.Namespace) -> int:
+    if args.scenario == "replicas":
+        rows = replica_balance(args)
+        config = {k: v for k, v in vars(args).items() if k in ("nproc", "tokens", "experts", "top_k", "replicas",
+                                                               "replica_zipf", "steps")}
+        print(f"dropless bench ep --scenario replicas: {config}")
+        print(format_table(rows, list(rows[0])))
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"config": config, "rows": rows}, fh, indent=2)
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "result.json")
         mp.start_processes(_worker, args=(args, os.path.join(tmp, "store"), out_path), nprocs=args.nproc,
