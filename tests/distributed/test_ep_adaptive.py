@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from dist_harness import run_world
 from dropless.config import MoEConfig, ParallelConfig
+from dropless.bench.ep_scenarios import zipf_ids
 from dropless.distributed.parallelize_ep import shard_moe_layer
 from dropless.layers.moe import MoELayer
 from dropless.train import ep_buffers
@@ -30,14 +31,6 @@ from host_sync import forbid_host_sync
 from tiny_run import tiny
 
 T, E, K, D = 64, 8, 2, 8
-
-
-def zipf_ids(T: int, E: int, K: int, s: float, gen: torch.Generator) -> torch.Tensor:
-    """k distinct experts per token, sampled without replacement with weight 1/(e+1)^s (s=0: uniform):
-    Gumbel top-k of the log weights."""
-    logw = -s * torch.log(torch.arange(1, E + 1, dtype=torch.float32))
-    gumbel = -torch.log(-torch.log(torch.rand(T, E, generator=gen).clamp(1e-9, 1 - 1e-9)))
-    return (logw + gumbel).topk(K, -1).indices
 
 
 def _max_reduce(t: torch.Tensor, op: str) -> None:

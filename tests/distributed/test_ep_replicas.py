@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 
 from dist_harness import run_world
+from dropless.bench.ep_scenarios import zipf_ids
 from dropless.config import MoEConfig, ParallelConfig
 from dropless.distributed import ep_replicas as rep
 from dropless.distributed.parallelize_ep import shard_moe_layer
 from dropless.layers.moe import MoELayer
-from test_ep_adaptive import zipf_ids
 from tolerances import EP_REDUCED, assert_close
 
 T, E, K, D = 48, 8, 2, 8
