@@ -1,4 +1,5 @@
-"""`dropless bench ep --scenario shifting-skew`: buffered-EP buffer policies over a routing that shifts.
+"""`dropless bench ep --scenario shifting-skew | replicas`: buffered-EP buffer policies over a routing
+that shifts; hot-expert replication's load balance (`replica_balance`, its own docstring).
 
 Spawns --nproc gloo processes (CPU, one thread each). Each rank routes --tokens tokens per step, k
 distinct of E experts drawn with weight 1/(e+1)^s (Gumbel top-k; s = 0 balanced): --steps steps
@@ -6,9 +7,9 @@ balanced, then --steps at Zipf --zipf (1.2), then --steps balanced. Expert e liv
 the skew loads rank 0's links most.
 
 Byte figures (forward trips: dispatch and combine, summed over ranks and steps; buffered mode with
-and without de-dup), per policy: fixed factors 1.0, 1.5, 2.0, the worst case (-1) and "auto" (train/ep_buffers.py, checks
-every --check-every steps, grown right after an overflowing step as the trainer does under retry).
-Per policy: the bytes the first attempts send, the steps that overflowed and the pairs that did not
+and without de-dup), per policy: fixed factors 1.0, 1.5, 2.0, the worst case (-1) and "auto"
+(train/ep_buffers.py, checks every --check-every steps, grown right after an overflowing step as the
+trainer does under retry). Per policy: the bytes the first attempts send, the steps that overflowed and the pairs that did not
 fit; what the overflow then costs under each policy: retry (the step again at worst-case buffers:
 its bytes added) or spill (the second exact-size exchange: its bytes added). Same routing for every
 policy (seeded by step and rank).
@@ -50,13 +51,15 @@ POLICIES: list[tuple[str, float | str]] = [("fixed 1.0", 1.0), ("fixed 1.5", 1.5
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenario", choices=["shifting-skew", "replicas"], default=None,
                    help="shifting-skew: buffer policies over balanced -> Zipf -> balanced routing; replicas: "
-                        "busiest rank's pairs over the mean with hot-expert replication (instead of the protocol bench)")
+                        "busiest rank's pairs over the mean with hot-expert replication (instead of the protocol "
+                        "bench)")
     p.add_argument("--replicas", type=int, default=4, help="replicas: R, copies of the busiest experts")
     p.add_argument("--replica-zipf", type=float, default=1.0, help="replicas: Zipf exponent of the routing")
     p.add_argument("--steps", type=int, default=20, help="shifting-skew: steps per phase")
     p.add_argument("--zipf", type=float, default=1.2, help="shifting-skew: Zipf exponent of the middle phase")
     p.add_argument("--check-every", type=int, default=5, help="shifting-skew: auto's check interval")
-    p.add_argument("--spill-factor", type=float, default=1.5, help="shifting-skew: factor of the timed overflowing step")
+    p.add_argument("--spill-factor", type=float, default=1.5,
+                   help="shifting-skew: factor of the timed overflowing step")
 
 
 def zipf_ids(T: int, E: int, K: int, s: float, gen: torch.Generator) -> torch.Tensor:
@@ -88,7 +91,8 @@ def _policy_run(rank: int, args: argparse.Namespace, factor: float | str, dedup:
     worst = disp.worst_case()
     reduce = lambda t, op: dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)  # noqa: E731
     ctl = AdaptiveBuffers([disp], T, K, reduce, x_TD.device) if factor == "auto" else None
-    tot = torch.zeros(6, dtype=torch.int64)  # first-attempt bytes, spill bytes, retry bytes, overflow steps, pairs, peak
+    # first-attempt bytes, spill bytes, retry bytes, overflow steps, overflow pairs, peak link demand
+    tot = torch.zeros(6, dtype=torch.int64)
     for step in range(3 * args.steps):
         s = args.zipf if args.steps <= step < 2 * args.steps else 0.0
         gen = torch.Generator().manual_seed(1000 * step + rank)
@@ -201,7 +205,8 @@ def replica_balance(args: argparse.Namespace) -> list[dict[str, Any]]:
             a = torch.bincount(torch.cat(ids).reshape(-1) // L, minlength=P).double()
             b = torch.bincount(torch.cat([replicas.virtual_ids(i, tables) for i in ids]).reshape(-1) // (L + S),
                                minlength=P).double()
-            worst_plain, worst_rep = max(worst_plain, float(a.max() / a.mean())), max(worst_rep, float(b.max() / b.mean()))
+            worst_plain = max(worst_plain, float(a.max() / a.mean()))
+            worst_rep = max(worst_rep, float(b.max() / b.mean()))
             plain, replicated = plain + a, replicated + b
         rows.append(dict(numbering=numbering, replicas=len(reps), spare_slots=S,
                          busiest_over_mean_plain=round(float(plain.max() / plain.mean()), 3),

@@ -24,8 +24,8 @@ unless it must:
   or rerun here. The guard counts the spilled pairs (`MoEStats.pairs_spilled`) for the check's report.
 - Adaptive sizes (`ragged_buffer_factor="auto"`, ep_buffers.py): the guard feeds the per-layer link
   demand to the controller and resizes at each check, from the same host read.
-- Retry (`on_overflow="retry"`, the default; `retry_on_overflow=true` in older configs): the step is rerun with worst-case buffers
-  (`EPDispatcher.worst_case()`), so no pair is ever lost. Deciding to rerun needs the flag on the
+- Retry (`on_overflow="retry"`, the default; `retry_on_overflow=true` in older configs): the step is
+  rerun with worst-case buffers (`EPDispatcher.worst_case()`), so no pair is ever lost. Deciding to rerun needs the flag on the
   host before the optimizer step: this is one device-to-host read of one scalar per step, the price
   of retry. (Exact mode pays one per MoE layer per micro-batch; buffered without retry pays one per
   `overflow_check_every` steps.) A rerun that does not happen costs nothing but that read; a rerun
