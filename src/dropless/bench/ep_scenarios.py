@@ -6,13 +6,13 @@ distinct of E experts drawn with weight 1/(e+1)^s (Gumbel top-k; s = 0 balanced)
 balanced, then --steps at Zipf --zipf (1.2), then --steps balanced. Expert e lives on rank e // L, so
 the skew loads rank 0's links most.
 
-Byte figures (forward trips: dispatch and combine, summed over ranks and steps; buffered mode with
-and without de-dup), per policy: fixed factors 1.0, 1.5, 2.0, the worst case (-1) and "auto"
+Byte figures (forward trips: dispatch and combine, summed over ranks and steps; buffered mode with and
+without de-dup), per policy: fixed factors 1.0, 1.5, 2.0, the worst case (-1) and "auto"
 (train/ep_buffers.py, checks every --check-every steps, grown right after an overflowing step as the
-trainer does under retry). Per policy: the bytes the first attempts send, the steps that overflowed and the pairs that did not
-fit; what the overflow then costs under each policy: retry (the step again at worst-case buffers:
-its bytes added) or spill (the second exact-size exchange: its bytes added). Same routing for every
-policy (seeded by step and rank).
+trainer does under retry). Per policy: the bytes the first attempts send, the steps that overflowed and
+the pairs that did not fit; what the overflow then costs under each policy: retry (the step again at
+worst-case buffers: its bytes added) or spill (the second exact-size exchange: its bytes added). Same
+routing for every policy (seeded by step and rank).
 
 Time figure (`spill_vs_retry`): forward + backward of a sharded MoE layer (real grouped experts) on an
 overflowing step (Zipf --zipf routing, factor --spill-factor), interleaved: spill (one pass, second

@@ -25,11 +25,11 @@ unless it must:
 - Adaptive sizes (`ragged_buffer_factor="auto"`, ep_buffers.py): the guard feeds the per-layer link
   demand to the controller and resizes at each check, from the same host read.
 - Retry (`on_overflow="retry"`, the default; `retry_on_overflow=true` in older configs): the step is
-  rerun with worst-case buffers (`EPDispatcher.worst_case()`), so no pair is ever lost. Deciding to rerun needs the flag on the
-  host before the optimizer step: this is one device-to-host read of one scalar per step, the price
-  of retry. (Exact mode pays one per MoE layer per micro-batch; buffered without retry pays one per
-  `overflow_check_every` steps.) A rerun that does not happen costs nothing but that read; a rerun
-  costs the step's forward and backward again, at the worst-case buffer size.
+  rerun with worst-case buffers (`EPDispatcher.worst_case()`), so no pair is ever lost. Deciding to
+  rerun needs the flag on the host before the optimizer step: this is one device-to-host read of one
+  scalar per step, the price of retry. (Exact mode pays one per MoE layer per micro-batch; buffered
+  without retry pays one per `overflow_check_every` steps.) A rerun that does not happen costs nothing
+  but that read; a rerun costs the step's forward and backward again, at the worst-case buffer size.
 """
 
 from __future__ import annotations
