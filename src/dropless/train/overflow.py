@@ -6,15 +6,15 @@ unless it must:
 
 - Counting: per step, the dropped pairs of every layer and micro-batch are summed and all-reduced over
   the data-parallel group (so every rank agrees), with the largest per-link demand (max). Device only.
-- Skip (`retry_on_overflow=false`): an overflowing step is not applied, decided on the device.
-  `note()` returns the flag; the trainer ORs it with the non-finite flag (nonfinite.py) and the
-  optimizer skips through `found_inf` (optim.step_unless: torch's fused AdamW leaves parameters,
-  moments and its step count bit-identical, with no copy of the state), and the router buffer rules
-  take the same flag (TrainHealth.end_step), so the expert bias and thresholds do not move either.
-  Zeroing the gradients would not be a skip: AdamW would still decay the weights, move both moments
-  and count the step. (This mode used to copy parameters and optimizer state before the step and
-  restore them with `where`: one extra copy of the training state per rank.) The state is created
-  eagerly (zero moments, step 0, what AdamW's first step creates), so the state after a skipped
+- Skip (`on_overflow="skip"`; older: `retry_on_overflow=false`): an overflowing step is not applied,
+  decided on the device. `note()` returns the flag; the trainer ORs it with the non-finite flag
+  (nonfinite.py) and the optimizer skips through `found_inf` (optim.step_unless: torch's fused AdamW
+  leaves parameters, moments and its step count bit-identical, with no copy of the state), and the
+  router buffer rules take the same flag (TrainHealth.end_step), so the expert bias and thresholds do
+  not move either. Zeroing the gradients would not be a skip: AdamW would still decay the weights, move
+  both moments and count the step. (This mode used to copy parameters and optimizer state before the
+  step and restore them with `where`: one extra copy of the training state per rank.) The state is
+  created eagerly (zero moments, step 0, what AdamW's first step creates), so the state after a skipped
   first step equals the state before it.
 - Check: every `overflow_check_every` steps (and before each checkpoint and at the end) the host
   reads the counters (one sync) and raises `EPOverflowError` with the observed demand and the
