@@ -113,7 +113,11 @@ class EPDispatcher:
     collective, on the rank that holds them: the other ranks cannot learn it without a host read, so
     they wait in the count exchange until the process group's timeout (the trainer never gets there:
     its micro-batches are the bound). `top_k`: the pairs per token the buffers are sized for (None: the decision's slots K;
-    the variable-count strategies have K = E slots but about top_k pairs per token).
+    the variable-count strategies have K = E slots but about top_k pairs per token). `on_overflow`
+    "spill": buffered mode sends the pairs that did not fit in a second exact-size exchange
+    (ep_spill.py); "skip" and "retry" are the trainer's business (train/overflow.py).
+    `ragged_buffer_factor` "auto": the link size is `link_pairs`, set between steps by
+    train/ep_buffers.py.
     """
 
     def __init__(self, num_experts: int, group: ProcessGroup | None, *, align: int = 1,
