@@ -51,6 +51,7 @@ class DispatchMeta:
     first_expert: int  # global index of the first expert of the batch's groups
     num_local: int  # groups in ExpertBatch.offsets_E: experts [first_expert, first_expert + num_local)
     link_demand: torch.Tensor | None = None  # int64 scalar: EP, most pairs routed over one link
+    pairs_spilled: torch.Tensor | None = None  # int64 scalar: EP spill, pairs sent in the second exchange
 
 
 @dataclass(frozen=True, kw_only=True)
