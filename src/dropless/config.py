@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 from .configtree import (  # noqa: F401  (re-exported: the tree's public helpers)
     _choice,
@@ -40,6 +40,8 @@ from .moe_config import (  # noqa: F401  (re-exported: the MoE part of the tree)
     BalanceConfig,
     MoEConfig,
 )
+
+from .model_knobs import check_model_knobs, moe_layer_ids  # noqa: E402
 
 EP_MODES = ("exact", "buffered")
 ON_OVERFLOW = ("skip", "retry", "spill")  # buffered EP: what happens to pairs that did not fit
@@ -153,6 +155,12 @@ class ModelConfig:
     attn_bias: bool = False  # biases on the q, k, v and output projections
     max_seq_len: int = 256
     n_dense_layers: int = 1
+    # which layers after the dense prefix are MoE (model_knobs.py): every n-th one counted from the
+    # first layer after the prefix, or an explicit list of layer indices (all >= n_dense_layers)
+    moe_layer_freq: Union[int, list[int]] = 1
+    block: str = "sequential"  # or "parallel_moe": MoE blocks read x, not x + attn (model_knobs.py)
+    mtp_depth: int = 0  # multi-token prediction modules (layers/mtp.py); 0 = off
+    mtp_weight: float = 0.3  # the MTP loss's weight (lambda; the mean over the D modules' losses)
     d_ff_dense: int = 512  # hidden width of the dense MLP layers
     tie_embeddings: bool = True
     rope_theta: float = 10000.0
@@ -190,6 +198,7 @@ class ModelConfig:
             if not getattr(self, name) >= 0:
                 _fail(f"model.{name}", getattr(self, name), "must be >= 0")
         self.moe.validate("model.moe")
+        check_model_knobs(self)
         check_recompute(self.recompute, self.moe)
         check_offload(self.offload, self.recompute)
         block = PRECISION_WIDTH_BLOCK.get(self.moe.precision)
@@ -209,7 +218,12 @@ class ModelConfig:
 
     @property
     def n_moe_layers(self) -> int:
-        return self.n_layers - self.n_dense_layers
+        return len(self.moe_layer_ids)
+
+    @property
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        """Indices of the MoE layers (the others use the dense MLP)."""
+        return moe_layer_ids(self.n_layers, self.n_dense_layers, self.moe_layer_freq)
 
 
 RECOMPUTE = ("layer", "full", "moe", "attn", "norm", "shared_experts", "moe_act")

@@ -74,6 +74,9 @@ def parse_value(name: str, text: str, tp: Any) -> Any:
     base, optional = _resolve_type(tp)
     if optional and text.strip().lower() in ("none", "null", ""):
         return None
+    lists = [a for a in typing.get_args(tp) if typing.get_origin(a) is list]
+    if lists and text.strip().startswith("["):  # an int-or-list field given a list
+        base = lists[0]
     try:
         if base is bool:
             low = text.strip().lower()

@@ -212,7 +212,8 @@ class MoEModel(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         # what activation offload moved (layers/offload.py): `offloader.counter`; None without offload
         self.offloader = offload.Offloader() if cfg.offload else None
-        self.blocks = nn.ModuleList(Block(cfg, moe=i >= cfg.n_dense_layers, offloader=self.offloader)
+        moe_ids = set(cfg.moe_layer_ids)  # model.n_dense_layers, model.moe_layer_freq (model_knobs.py)
+        self.blocks = nn.ModuleList(Block(cfg, moe=i in moe_ids, offloader=self.offloader)
                                     for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)

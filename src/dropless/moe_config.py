@@ -156,6 +156,10 @@ class MoEConfig:
     capacity_factor: Optional[float] = None  # None = dropless; a number = capacity baseline
     drop_policy: str = "position"  # capacity mode: which pairs survive ("position" or "score")
     precision: str = "bf16"  # expert GEMMs: bf16 or a low-precision format (see ops/quant.py)
+    # zero-compute experts (layers/identity.py): routed like any expert, they return their input
+    n_identity_experts: int = 0
+    latent_dim: int = 0  # LatentMoE (layers/latent.py): experts run in this width l (0 = off, l <= d)
+    latent_norm: bool = False  # RMSNorm of the latent rows before dispatch
     router: RouterConfig = field(default_factory=RouterConfig)
     balance: BalanceConfig = field(default_factory=BalanceConfig)
 
@@ -165,8 +169,21 @@ class MoEConfig:
     def validate(self, prefix: str = "moe") -> None:
         _positive(f"{prefix}.num_experts", self.num_experts)
         _positive(f"{prefix}.top_k", self.top_k)
-        if self.top_k > self.num_experts:
-            _fail(f"{prefix}.top_k", self.top_k, f"exceeds num_experts={self.num_experts}")
+        for name in ("n_identity_experts", "latent_dim"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                _fail(f"{prefix}.{name}", v, "must be an integer >= 0 (0 = off)")
+        if not isinstance(self.latent_norm, bool):
+            _fail(f"{prefix}.latent_norm", self.latent_norm, "must be true or false")
+        if self.latent_norm and not self.latent_dim:
+            _fail(f"{prefix}.latent_norm", True, "needs latent_dim > 0 (the norm is at the latent input)")
+        if self.n_identity_experts and self.capacity_factor is not None:
+            _fail(f"{prefix}.n_identity_experts", self.n_identity_experts,
+                  "needs the dropless path (capacity_factor=None): identity pairs leave the plan as "
+                  "invalid slots, which the capacity layout does not take")
+        if self.top_k > self.routed_experts:
+            _fail(f"{prefix}.top_k", self.top_k, f"exceeds num_experts={self.num_experts}"
+                  + (f" + n_identity_experts={self.n_identity_experts}" if self.n_identity_experts else ""))
         _positive(f"{prefix}.d_expert", self.d_expert)
         _choice(f"{prefix}.activation", self.activation, ACTIVATIONS)
         for name in ("act_clamp", "act_softcap"):
@@ -190,7 +207,7 @@ class MoEConfig:
             self.router = RouterConfig(**self.router)
         if isinstance(self.balance, dict):
             self.balance = BalanceConfig(**self.balance)
-        self.router.validate(f"{prefix}.router", self.num_experts, self.top_k)
+        self.router.validate(f"{prefix}.router", self.routed_experts, self.top_k)
         self.balance.validate(f"{prefix}.balance")
         if self.capacity_factor is not None and self.router.strategy in ("expert_choice", "expert_threshold"):
             # their routing has a validity mask (a variable number of experts per token); the capacity
@@ -204,15 +221,20 @@ class MoEConfig:
         if self.balance.quantile_balance and not self.router.use_expert_bias:
             _fail(f"{prefix}.balance.quantile_balance", True, "needs router.use_expert_bias=true")
         r = self.router
-        if (self.balance.bias_update_rate >= 1.0 / self.num_experts and r.score_func == "softmax"
+        if (self.balance.bias_update_rate >= 1.0 / self.routed_experts and r.score_func == "softmax"
                 and r.pre_softmax):
             # Selection is on softmax probabilities, whose mean is 1/E: a sign step that large moves
             # an expert across every other expert's scores at once, so the loads flip wholesale from
             # step to step instead of converging. (Post-softmax selects on logits, where the bias is
             # in logit units and this bound does not apply.)
             _fail(f"{prefix}.balance.bias_update_rate", self.balance.bias_update_rate,
-                  f"must be < 1/num_experts={1.0 / self.num_experts:.3g} with softmax (pre-softmax) "
+                  f"must be < 1/num_experts={1.0 / self.routed_experts:.3g} with softmax (pre-softmax) "
                   "scores: one step would outweigh the mean probability and the loads oscillate")
+
+    @property
+    def routed_experts(self) -> int:
+        """What the router chooses among: the real experts, then the identity experts."""
+        return self.num_experts + self.n_identity_experts
 
     @property
     def shared_width(self) -> int:

@@ -180,6 +180,12 @@ def check_exportable(cfg: ModelConfig, family: str) -> None:
         ("model.moe.router.norm_top_k", r.norm_top_k,
          r.norm_top_k is not None and r.norm_top_k != m.top_k, "weights normalised over the top_k run"),
         ("model.n_dense_layers", cfg.n_dense_layers, cfg.n_moe_layers == 0, "no MoE layer"),
+        ("model.moe_layer_freq", cfg.moe_layer_freq,
+         cfg.moe_layer_ids != tuple(range(cfg.n_dense_layers, cfg.n_layers)), "a dense prefix, then MoE layers"),
+        ("model.block", cfg.block, cfg.block != "sequential", "sequential blocks"),
+        ("model.mtp_depth", cfg.mtp_depth, cfg.mtp_depth > 0, "no multi-token prediction modules"),
+        ("model.moe.n_identity_experts", m.n_identity_experts, m.n_identity_experts > 0, "no identity experts"),
+        ("model.moe.latent_dim", m.latent_dim, m.latent_dim > 0, "experts in the model width"),
     ]
     if family == "mixtral":
         checks += [

@@ -310,8 +310,9 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, bf16: bool,
     """Per micro-batch on one rank. `ep_rows`: (local experts L, GEMM rows R) under expert
     parallelism, None on one device (module note)."""
     T = batch * seq_len
-    n_moe = cfg.n_layers - cfg.n_dense_layers
-    dense, dense_host = block_bytes(cfg, batch, seq_len, bf16, moe=False) if cfg.n_dense_layers else (0, 0)
+    n_moe = cfg.n_moe_layers
+    n_dense = cfg.n_layers - n_moe  # the prefix and, with model.moe_layer_freq, the layers between
+    dense, dense_host = block_bytes(cfg, batch, seq_len, bf16, moe=False) if n_dense else (0, 0)
     moe, moe_host = block_bytes(cfg, batch, seq_len, bf16, moe=True) if n_moe else (0, 0)
     where = experts_kept_on(cfg)
     if n_moe and ep_rows is not None and where != "recomputed":
@@ -322,5 +323,5 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, bf16: bool,
             moe_host += delta
         else:
             moe += delta
-    return ActivationBytes(T, head_bytes(cfg, batch, seq_len, bf16), dense, moe, cfg.n_dense_layers, n_moe,
+    return ActivationBytes(T, head_bytes(cfg, batch, seq_len, bf16), dense, moe, n_dense, n_moe,
                            dense_host, moe_host)

@@ -57,8 +57,13 @@ def stage_config(cfg: RunConfig, pipeline: int) -> RunConfig:
     far as the model has them (a middle stage), the embedding, head and loss kept on it."""
     m = cfg.model
     n = math.ceil(m.n_layers / pipeline)
-    dense = max(0, n - (m.n_layers - m.n_dense_layers))
-    return replace(cfg, model=replace(m, n_layers=n, n_dense_layers=dense))
+    # the n-block window of the layer pattern with the most MoE blocks
+    ids = set(m.moe_layer_ids)
+    start = max(range(m.n_layers - n + 1), key=lambda s: len(ids & set(range(s, s + n))))
+    moe = [i - start for i in sorted(ids) if start <= i < start + n]
+    dense = moe[0] if moe else n
+    freq = 1 if moe == list(range(dense, n)) else moe  # a prefix then MoE: today's field value
+    return replace(cfg, model=replace(m, n_layers=n, n_dense_layers=dense, moe_layer_freq=freq))
 
 
 def planner_for(pipeline: int):  # noqa: ANN201

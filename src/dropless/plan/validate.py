@@ -194,7 +194,7 @@ def measure(cfg: RunConfig, steps: int, distributed: bool) -> dict[str, int]:
             host_copies.clear()
             out["offload_host"] = model.offloader.counter.take().bytes_to_host if model.offloader else 0
             del alive
-            n_moe = cfg.model.n_layers - cfg.model.n_dense_layers
+            n_moe = cfg.model.n_moe_layers
             out["ep_buffers"] = sum(sent) // n_moe if sent and n_moe else 0
             res.loss.backward()
             del res

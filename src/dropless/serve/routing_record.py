@@ -72,7 +72,7 @@ def config_hash(cfg: ModelConfig) -> str:
 
 def moe_layer_indices(cfg: ModelConfig) -> list[int]:
     """Block indices of the MoE layers, in the order `model(...).moe` returns them."""
-    return list(range(cfg.n_dense_layers, cfg.n_layers))
+    return list(cfg.moe_layer_ids)
 
 
 @dataclass
