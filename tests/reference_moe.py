@@ -22,6 +22,9 @@ def moe_reference(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
         acc = torch.zeros_like(x_TD[t])
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
+            if e >= ex.w_gate_up_EDF.shape[0]:  # an identity expert (layers/identity.py) returns its input
+                acc = acc + w[t, j].to(x.dtype) * x_TD[t]
+                continue
             h = activation(x_TD[t] @ ex.w_gate_up_EDF[e], ex.kind, ex.clamp, ex.softcap)
             acc = acc + w[t, j].to(x.dtype) * (h @ ex.w_down_EFD[e])
         rows.append(acc)

@@ -29,6 +29,8 @@ CASES = {
         router=RouterConfig(n_groups=4, topk_groups=2, use_expert_bias=True)),
     "expert_choice_align4": dict(align=4, router=RouterConfig(strategy="expert_choice")),
     "forced_balance": dict(router=RouterConfig(strategy="forced_balance")),
+    # identity experts: the split into a masked plan, the select and the weighted input
+    "identity_experts": dict(n_identity_experts=2),
 }
 
 

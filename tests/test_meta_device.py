@@ -89,6 +89,8 @@ LAYER_CASES = {
     "forced_balance": dict(router=RouterConfig(strategy="forced_balance")),
     "hash": dict(router=RouterConfig(strategy="hash")),
     "capacity_baseline": dict(capacity_factor=1.25),
+    # identity experts: a masked plan built from token choice, the select and the identity stats
+    "identity_experts": dict(n_identity_experts=2, router=RouterConfig(use_expert_bias=True)),
 }
 
 
@@ -169,6 +171,8 @@ TRAINER_CASES = {
     "expert_threshold": ["model.moe.router.strategy=expert_threshold"],
     "quantile_seq_aux": ["model.moe.router.use_expert_bias=true", "model.moe.balance.quantile_balance=true",
                          "model.moe.balance.seq_aux_loss_coeff=0.01"],
+    # the model knobs of docs/quality.md: an explicit MoE layer list, identity experts
+    "model_knobs": ["model.n_layers=3", "model.moe_layer_freq=[1]", "model.moe.n_identity_experts=2"],
 }
 
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..config import MoEConfig
 from ..ops import routing
-from . import balance, decode_experts, recompute
+from . import balance, decode_experts, identity, recompute
 from .dispatch import DispatchMeta, Dispatcher, build_dispatcher
 from .experts import ExpertBatch, GroupedExperts, resolve_backend
 from .mlp import MLP
@@ -103,7 +103,8 @@ class MoELayer(nn.Module):
         super().__init__()
         cfg.validate()
         self.cfg = cfg
-        self.router = Router(d_model, cfg.num_experts, cfg.top_k, cfg.router)
+        # the router chooses among the real experts and, after them, the identity experts (identity.py)
+        self.router = Router(d_model, cfg.routed_experts, cfg.top_k, cfg.router)
         backend = resolve_backend(cfg.backend, cfg.capacity_factor is not None)
         self.experts = GroupedExperts(cfg.num_experts, d_model, cfg.d_expert, cfg.activation,
                                       cfg.act_clamp, cfg.act_softcap, backend, cfg.precision)
@@ -126,20 +127,24 @@ class MoELayer(nn.Module):
         x_TD = x.reshape(-1, shape[-1])
         replay_TK = replay_ids.reshape(-1, self.cfg.top_k) if replay_ids is not None else None
         decision = self.router(x_TD, replay_TK, token_ids)
-        if decode_experts.applies(self.experts, self.dispatcher, decision, x_TD.shape[0],
+        ident = identity.split(decision, self.cfg.num_experts) if self.cfg.n_identity_experts else None
+        run = ident.experts if ident is not None else decision  # what the real experts compute
+        if decode_experts.applies(self.experts, self.dispatcher, run, x_TD.shape[0],
                                   self.decode_max_tokens, self.detailed_stats):
-            y_TD = decode_experts.row_sum_experts(x_TD, decision, self.experts)
-            batch, meta, y_RD = None, decode_experts.no_drop_meta(decision, self.cfg.num_experts), None
+            y_TD = decode_experts.row_sum_experts(x_TD, run, self.experts)
+            batch, meta, y_RD = None, decode_experts.no_drop_meta(run, self.cfg.num_experts), None
         else:
-            batch, meta = self.dispatcher.dispatch(x_TD, decision)
+            batch, meta = self.dispatcher.dispatch(x_TD, run)
             y_RD = self.experts(batch)
             y_TD = self.dispatcher.combine(y_RD, meta)
+        if ident is not None:
+            y_TD = identity.combine(y_TD, x_TD, ident)
         if self.shared is not None:
             if self.recompute_shared and torch.is_grad_enabled():  # layers/recompute.py
                 y_TD = y_TD + recompute.recomputed(self.shared, x_TD)
             else:
                 y_TD = y_TD + self.shared(x_TD)
-        E, K = self.cfg.num_experts, self.cfg.top_k
+        E, K = self.cfg.routed_experts, self.cfg.top_k  # identity experts count like any expert
         counts_E = routing.expert_counts(decision.ids_TK, E, decision.valid_TK)
         probs_TE = routing.router_probs(decision.scores_TE, self.cfg.router.score_func)
         aux = routing.switch_aux_loss(probs_TE, counts_E, K)
@@ -148,7 +153,7 @@ class MoELayer(nn.Module):
             # sequences are the second-to-last dim of x ([B, S, D]); a flat [T, D] input is one sequence
             seq_len = shape[-2] if len(shape) >= 3 else x_TD.shape[0]
             seq_aux = balance.sequence_aux_loss(probs_TE, decision.ids_TK, seq_len, decision.valid_TK)
-        stats = self._stats(decision, counts_E, probs_TE, meta, y_RD, batch)
+        stats = self._stats(decision, counts_E, probs_TE, meta, y_RD, batch, x_TD, ident)
         return MoEOutput(
             y=y_TD.view(shape),
             aux_loss=aux,
@@ -161,7 +166,8 @@ class MoELayer(nn.Module):
         )
 
     def _stats(self, decision: RoutingDecision, counts_E: torch.Tensor, probs_TE: torch.Tensor,
-               meta: DispatchMeta, y_RD: torch.Tensor, batch: ExpertBatch) -> MoEStats:
+               meta: DispatchMeta, y_RD: torch.Tensor, batch: ExpertBatch, x_TD: torch.Tensor,
+               ident: identity.IdentitySplit | None) -> MoEStats:
         extra: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             if self.detailed_stats:
@@ -170,6 +176,9 @@ class MoELayer(nn.Module):
                     first = meta.first_expert
                     last = self.cfg.num_experts - first - meta.num_local
                     out_sq = torch.nn.functional.pad(out_sq, (first, last))
+                if ident is not None:  # the identity experts' entries follow the real experts'
+                    out_sq = torch.cat([out_sq, identity.out_sq(x_TD, decision.ids_TK, ident,
+                                        self.cfg.num_experts, self.cfg.n_identity_experts)])
                 extra["out_sq_E"] = out_sq
                 extra["router_entropy"], extra["top1_top2_ratio"] = router_summaries(probs_TE)
             if self.cfg.router.strategy == "expert_threshold":
