@@ -31,6 +31,8 @@ CASES = {
     "forced_balance": dict(router=RouterConfig(strategy="forced_balance")),
     # identity experts: the split into a masked plan, the select and the weighted input
     "identity_experts": dict(n_identity_experts=2),
+    # LatentMoE with its norm: two dense projections around the routed part
+    "latent_norm": dict(latent_dim=16, latent_norm=True),
 }
 
 

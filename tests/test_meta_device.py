@@ -91,6 +91,8 @@ LAYER_CASES = {
     "capacity_baseline": dict(capacity_factor=1.25),
     # identity experts: a masked plan built from token choice, the select and the identity stats
     "identity_experts": dict(n_identity_experts=2, router=RouterConfig(use_expert_bias=True)),
+    # LatentMoE: the projections and the latent norm around dispatch (with identity experts inside)
+    "latent_norm_identity": dict(latent_dim=16, latent_norm=True, n_identity_experts=1),
 }
 
 
@@ -172,7 +174,8 @@ TRAINER_CASES = {
     "quantile_seq_aux": ["model.moe.router.use_expert_bias=true", "model.moe.balance.quantile_balance=true",
                          "model.moe.balance.seq_aux_loss_coeff=0.01"],
     # the model knobs of docs/quality.md: an explicit MoE layer list, identity experts
-    "model_knobs": ["model.n_layers=3", "model.moe_layer_freq=[1]", "model.moe.n_identity_experts=2"],
+    "model_knobs": ["model.n_layers=3", "model.moe_layer_freq=[1]", "model.moe.n_identity_experts=2",
+                    "model.moe.latent_dim=16", "model.moe.latent_norm=true"],
 }
 
 

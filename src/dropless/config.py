@@ -203,7 +203,9 @@ class ModelConfig:
         check_offload(self.offload, self.recompute)
         block = PRECISION_WIDTH_BLOCK.get(self.moe.precision)
         if block and self.n_moe_layers:
-            for name, width in (("model.d_model", self.d_model), ("model.moe.d_expert", self.moe.d_expert)):
+            routed = (("model.moe.latent_dim", self.moe.latent_dim) if self.moe.latent_dim
+                      else ("model.d_model", self.d_model))  # the width the experts run in
+            for name, width in (routed, ("model.moe.d_expert", self.moe.d_expert)):
                 if width % block:
                     _fail(name, width, f"must be a multiple of {block} with model.moe.precision="
                           f"{self.moe.precision!r} (its GEMM blocks along both widths)")

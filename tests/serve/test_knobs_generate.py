@@ -14,6 +14,8 @@ from tolerances import KV_DECODE, assert_close
 
 KNOBS = {
     "identity": dict(n_identity_experts=2),
+    "latent": dict(latent_dim=16, latent_norm=True),
+    "latent_identity": dict(latent_dim=16, n_identity_experts=1),
 }
 
 

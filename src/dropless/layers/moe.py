@@ -26,6 +26,7 @@ from ..ops import routing
 from . import balance, decode_experts, identity, recompute
 from .dispatch import DispatchMeta, Dispatcher, build_dispatcher
 from .experts import ExpertBatch, GroupedExperts, resolve_backend
+from .latent import LatentProjection
 from .mlp import MLP
 from .router import Router, RoutingDecision
 
@@ -106,7 +107,11 @@ class MoELayer(nn.Module):
         # the router chooses among the real experts and, after them, the identity experts (identity.py)
         self.router = Router(d_model, cfg.routed_experts, cfg.top_k, cfg.router)
         backend = resolve_backend(cfg.backend, cfg.capacity_factor is not None)
-        self.experts = GroupedExperts(cfg.num_experts, d_model, cfg.d_expert, cfg.activation,
+        # LatentMoE (latent.py): the routed experts run in latent_dim, between two projections
+        self.latent = (LatentProjection(d_model, cfg.latent_dim, cfg.latent_norm)
+                       if cfg.latent_dim else None)
+        d_routed = cfg.latent_dim or d_model
+        self.experts = GroupedExperts(cfg.num_experts, d_routed, cfg.d_expert, cfg.activation,
                                       cfg.act_clamp, cfg.act_softcap, backend, cfg.precision)
         self.shared = (MLP(d_model, cfg.shared_width, cfg.activation, cfg.act_clamp, cfg.act_softcap)
                        if cfg.shared_width else None)
@@ -129,16 +134,20 @@ class MoELayer(nn.Module):
         decision = self.router(x_TD, replay_TK, token_ids)
         ident = identity.split(decision, self.cfg.num_experts) if self.cfg.n_identity_experts else None
         run = ident.experts if ident is not None else decision  # what the real experts compute
+        # the rows the routed experts read: x itself, or its latent projection (width l)
+        xr_TD = self.latent.project_down(x_TD) if self.latent is not None else x_TD
         if decode_experts.applies(self.experts, self.dispatcher, run, x_TD.shape[0],
                                   self.decode_max_tokens, self.detailed_stats):
-            y_TD = decode_experts.row_sum_experts(x_TD, run, self.experts)
+            y_TD = decode_experts.row_sum_experts(xr_TD, run, self.experts)
             batch, meta, y_RD = None, decode_experts.no_drop_meta(run, self.cfg.num_experts), None
         else:
-            batch, meta = self.dispatcher.dispatch(x_TD, run)
+            batch, meta = self.dispatcher.dispatch(xr_TD, run)
             y_RD = self.experts(batch)
             y_TD = self.dispatcher.combine(y_RD, meta)
         if ident is not None:
-            y_TD = identity.combine(y_TD, x_TD, ident)
+            y_TD = identity.combine(y_TD, xr_TD, ident)
+        if self.latent is not None:
+            y_TD = self.latent.project_up(y_TD)
         if self.shared is not None:
             if self.recompute_shared and torch.is_grad_enabled():  # layers/recompute.py
                 y_TD = y_TD + recompute.recomputed(self.shared, x_TD)
@@ -153,7 +162,7 @@ class MoELayer(nn.Module):
             # sequences are the second-to-last dim of x ([B, S, D]); a flat [T, D] input is one sequence
             seq_len = shape[-2] if len(shape) >= 3 else x_TD.shape[0]
             seq_aux = balance.sequence_aux_loss(probs_TE, decision.ids_TK, seq_len, decision.valid_TK)
-        stats = self._stats(decision, counts_E, probs_TE, meta, y_RD, batch, x_TD, ident)
+        stats = self._stats(decision, counts_E, probs_TE, meta, y_RD, batch, xr_TD, ident)
         return MoEOutput(
             y=y_TD.view(shape),
             aux_loss=aux,
