@@ -37,14 +37,20 @@ def reference_forward(model: MoEModel, tok: torch.Tensor) -> tuple[torch.Tensor,
     x = model.embed(tok)
     moe = []
     for block in model.blocks:
+        if block.is_moe and model.cfg.block == "parallel_moe":
+            # the MoE first, as the block issues it: the backward then accumulates x's gradient in
+            # the same order (another order is another fp32 sum, not another function)
+            out = block.ffn(block.ffn_norm(x))
+            moe.append(out)
+            x = x + block.attn(block.attn_norm(x), cos, sin) + out.y
+            continue
         a = x + block.attn(block.attn_norm(x), cos, sin)
-        ffn_in = x if (block.is_moe and model.cfg.block == "parallel_moe") else a
         if block.is_moe:
-            out = block.ffn(block.ffn_norm(ffn_in))
+            out = block.ffn(block.ffn_norm(a))
             moe.append(out)
             x = a + out.y
         else:
-            x = a + block.ffn(block.ffn_norm(ffn_in))
+            x = a + block.ffn(block.ffn_norm(a))
     logits = model.head(model.norm(x))
     ce = F.cross_entropy(logits.float().view(B * S, -1), tok.reshape(-1))
     return logits, ce + model.balancing_loss(moe)
@@ -113,3 +119,25 @@ def test_moe_layer_freq_against_reference(recompute: list[str]) -> None:
     model = check_against_reference(model_cfg("model.moe_layer_freq=[1, 3]"), recompute)
     assert [b.is_moe for b in model.blocks] == [False, True, False, True]
     assert isinstance(model.blocks[3].ffn, MoELayer)
+
+
+# ---- model.block = "parallel_moe" ----
+
+@pytest.mark.parametrize("recompute", [[], ["layer"], ["moe"], ["attn", "norm"]],
+                         ids=lambda r: "+".join(r) or "none")
+def test_parallel_block_against_reference(recompute: list[str]) -> None:
+    check_against_reference(model_cfg("model.block=parallel_moe"), recompute)
+
+
+def test_parallel_block_moe_reads_the_block_input() -> None:
+    # the MoE's input does not depend on attention: zeroing attention's output projection leaves
+    # every MoE output unchanged, and the sequential block's MoE outputs do change
+    for block, same in (("parallel_moe", True), ("sequential", False)):
+        torch.manual_seed(0)
+        model = MoEModel(model_cfg(f"model.block={block}"))
+        tok = tokens()
+        with torch.no_grad():
+            before = [m.y for m in model(tok).moe]
+            model.blocks[1].attn.out.weight.zero_()
+            after = [m.y for m in model(tok).moe]
+        assert torch.equal(before[0], after[0]) == same, block

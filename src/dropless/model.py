@@ -6,6 +6,7 @@ L keys attended (cached + new).
 
     tokens_BS -> embedding -> [block] * n_layers -> RMSNorm -> LM head -> logits_BSV
     block(x) = x + attn(norm(x));  x + ffn(norm(x))
+    parallel MoE block (model.block = "parallel_moe"): x + attn(norm(x)) + moe(norm'(x))
     ffn = dense SwiGLU MLP for the first `n_dense_layers` blocks, the MoE layer after them
 
 Attention is causal self-attention with rotary positions through `scaled_dot_product_attention`;
@@ -145,6 +146,8 @@ class Block(nn.Module):
             offload.attach(self.attn.qkv, self.offloader)
         if "experts" in self.offload and moe:
             offload.attach(self.ffn.experts, self.offloader)
+        # model.block "parallel_moe" (ScMoE shortcut, model_knobs.py): the MoE reads the block input
+        self.parallel = moe and cfg.block == "parallel_moe"
 
     @property
     def is_moe(self) -> bool:
@@ -179,16 +182,27 @@ class Block(nn.Module):
                     return fn(*args)
             return fn(*args)
 
+        def moe(h: torch.Tensor) -> MoEOutput:
+            if "moe" in modes:
+                return recompute.recomputed_routed(lambda ids: self.ffn(h, ids, token_ids), replay_ids,
+                                                   lambda o: o.ids_TK)
+            return part("moe", self.ffn, h, replay_ids, token_ids)
+
+        if self.parallel:
+            # The MoE depends on x only, not on attention's output: this is where its dispatch
+            # would overlap attention on a device with streams (issue the router, the permutation
+            # and the expert-parallel all-to-all on a side stream here, run attention on the main
+            # stream, wait for the side stream before the sum). On one stream, and on the CPU, the
+            # two simply run in this order; the sum below is the same either way.
+            out = moe(part("norm", self.ffn_norm, x))
+            h = part("norm", self.attn_norm, x)
+            return BlockOutput(x + part("attn", self.attn, h, cos_SF, sin_SF, kv, mask_B1SL) + out.y, out)
         h = part("norm", self.attn_norm, x)
         x = x + part("attn", self.attn, h, cos_SF, sin_SF, kv, mask_B1SL)
         h = part("norm", self.ffn_norm, x)
         if not self.is_moe:
             return BlockOutput(x + self.ffn(h))
-        if "moe" in modes:
-            out = recompute.recomputed_routed(lambda ids: self.ffn(h, ids, token_ids), replay_ids,
-                                              lambda o: o.ids_TK)
-        else:
-            out = part("moe", self.ffn, h, replay_ids, token_ids)
+        out = moe(h)
         return BlockOutput(x + out.y, out)
 
 

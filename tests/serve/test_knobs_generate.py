@@ -7,21 +7,34 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dataclasses import replace
+
+from dropless.model import MoEModel
 from dropless.serve.generate import generate
 from test_generate import PROMPTS
 from test_kv_cache import cached_logits, small_model
 from tolerances import KV_DECODE, assert_close
 
+# (model fields, moe fields)
 KNOBS = {
-    "identity": dict(n_identity_experts=2),
-    "latent": dict(latent_dim=16, latent_norm=True),
-    "latent_identity": dict(latent_dim=16, n_identity_experts=1),
+    "identity": ({}, dict(n_identity_experts=2)),
+    "latent": ({}, dict(latent_dim=16, latent_norm=True)),
+    "latent_identity": ({}, dict(latent_dim=16, n_identity_experts=1)),
+    "parallel_block": (dict(block="parallel_moe"), {}),
+    "moe_layer_freq": (dict(n_layers=4, moe_layer_freq=[1, 3]), {}),
 }
+
+
+def knob_model(knob: str) -> MoEModel:
+    model_kw, moe_kw = KNOBS[knob]
+    cfg = small_model(**moe_kw).cfg
+    torch.manual_seed(0)
+    return MoEModel(replace(cfg, **model_kw)).eval()
 
 
 @pytest.mark.parametrize("knob", list(KNOBS))
 def test_knob_cache_matches_full_forward_and_greedy(knob: str) -> None:
-    model = small_model(**KNOBS[knob])
+    model = knob_model(knob)
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, 62, (n,), generator=g) for n in (20, 12)]
     got = cached_logits(model, seqs, [12, 3], 8)
