@@ -175,7 +175,8 @@ TRAINER_CASES = {
                          "model.moe.balance.seq_aux_loss_coeff=0.01"],
     # the model knobs of docs/quality.md: an explicit MoE layer list, identity experts
     "model_knobs": ["model.n_layers=3", "model.moe_layer_freq=[1]", "model.moe.n_identity_experts=2",
-                    "model.moe.latent_dim=16", "model.moe.latent_norm=true", "model.block=parallel_moe"],
+                    "model.moe.latent_dim=16", "model.moe.latent_norm=true", "model.block=parallel_moe",
+                    "model.mtp_depth=1"],
 }
 
 

@@ -39,6 +39,7 @@ from .layers import offload, recompute
 from .layers.kv_cache import KVCache, LayerKVCache
 from .layers.mlp import MLP
 from .layers.moe import MoELayer, MoEOutput, MoEStats
+from .layers.mtp import MTPModule, mtp_loss
 
 Out = TypeVar("Out")
 
@@ -213,6 +214,9 @@ class ModelOutput:
     ce_loss: torch.Tensor | None  # nats per token
     moe_loss: torch.Tensor  # sum over MoE layers of each balancing loss times its coefficient
     moe: list[MoEOutput]  # per MoE layer: losses without coefficients, statistics
+    # multi-token prediction (layers/mtp.py): mean over the modules of their cross-entropy, without
+    # model.mtp_weight (`loss` includes it times the weight); None unless training with mtp_depth > 0
+    mtp_loss: torch.Tensor | None = None
 
     @property
     def stats(self) -> list[MoEStats]:
@@ -231,13 +235,17 @@ class MoEModel(nn.Module):
                                     for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        # multi-token prediction (layers/mtp.py): dense blocks, the embedding and head shared
+        self.mtp = nn.ModuleList(
+            MTPModule(cfg.d_model, Block(cfg, moe=False, offloader=self.offloader),
+                      lambda: RMSNorm(cfg.d_model, cfg.norm_eps)) for _ in range(cfg.mtp_depth))
         nn.init.normal_(self.embed.weight, std=cfg.init_std)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
         else:
             nn.init.normal_(self.head.weight, std=cfg.init_std)
         # Residual branches start small so that depth does not blow up the residual stream.
-        for block in self.blocks:
+        for block in [*self.blocks, *(m.block for m in self.mtp)]:
             nn.init.normal_(block.attn.out.weight, std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
         cos, sin = rotary_tables(cfg.max_seq_len, cfg.head_width, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -284,11 +292,15 @@ class MoEModel(nn.Module):
                 moe.append(out.moe)
         logits = self.head(self.norm(x))
         moe_loss = self.balancing_loss(moe)
-        ce = loss = None
+        ce = loss = mtp = None
         if targets_BS is not None:
             ce = F.cross_entropy(logits.float().view(B * S, -1), targets_BS.reshape(-1))
             loss = ce + moe_loss
-        return ModelOutput(logits, loss, ce, moe_loss, moe)
+            # training only: evaluation reports the main loss alone, generation never runs MTP
+            if len(self.mtp) and self.training and cache is None and positions_BS is None and valid_BS is None:
+                mtp = mtp_loss(self.mtp, x, targets_BS, self.embed, self.head, cos, sin)
+                loss = loss + self.cfg.mtp_weight * mtp
+        return ModelOutput(logits, loss, ce, moe_loss, moe, mtp)
 
     def balancing_loss(self, moe: list[MoEOutput]) -> torch.Tensor:
         """Sum over MoE layers of the coefficient-weighted micro-batch and sequence aux losses and the

@@ -9,6 +9,7 @@ import torch
 
 from dataclasses import replace
 
+from dropless.layers import mtp
 from dropless.model import MoEModel
 from dropless.serve.generate import generate
 from test_generate import PROMPTS
@@ -22,6 +23,7 @@ KNOBS = {
     "latent_identity": ({}, dict(latent_dim=16, n_identity_experts=1)),
     "parallel_block": (dict(block="parallel_moe"), {}),
     "moe_layer_freq": (dict(n_layers=4, moe_layer_freq=[1, 3]), {}),
+    "mtp": (dict(mtp_depth=2), {}),
 }
 
 
@@ -33,8 +35,9 @@ def knob_model(knob: str) -> MoEModel:
 
 
 @pytest.mark.parametrize("knob", list(KNOBS))
-def test_knob_cache_matches_full_forward_and_greedy(knob: str) -> None:
+def test_knob_cache_matches_full_forward_and_greedy(knob: str, monkeypatch: pytest.MonkeyPatch) -> None:
     model = knob_model(knob)
+    monkeypatch.setattr(mtp.MTPModule, "forward", lambda *a: pytest.fail("an MTP module ran in generation"))
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, 62, (n,), generator=g) for n in (20, 12)]
     got = cached_logits(model, seqs, [12, 3], 8)

@@ -68,6 +68,7 @@ class StepLosses:
     loss: torch.Tensor
     ce: torch.Tensor
     moe: torch.Tensor
+    mtp: torch.Tensor | None = None  # model.mtp_depth > 0: the MTP modules' mean loss (layers/mtp.py)
 
 
 class Trainer:
@@ -313,7 +314,7 @@ class Trainer:
         pre_counts = self._global_counts(step)
         self.health.begin_step(log_step)
         zero = lambda dtype=torch.float32: torch.zeros((), dtype=dtype, device=self.device)  # noqa: E731
-        sums = StepLosses(zero(), zero(), zero())
+        sums = StepLosses(zero(), zero(), zero(), zero() if self.cfg.model.mtp_depth else None)
         dropped, demand = zero(torch.int64), zero(torch.int64)
         for micro in range(t.grad_accum):
             x, y, ids = self.batch(step, micro)
@@ -337,18 +338,22 @@ class Trainer:
             sums.loss += loss.detach().float() / t.grad_accum
             sums.ce += out.ce_loss.detach().float() / t.grad_accum
             sums.moe += moe_loss.detach().float() / t.grad_accum
+            if sums.mtp is not None:
+                sums.mtp += out.mtp_loss.detach().float() / t.grad_accum
         return sums, dropped, demand
 
     def log_row(self, step: int, sums: StepLosses, grad_norm: torch.Tensor, tokens_per_s: float) -> dict:
         # The one host sync of the interval for the losses; the routing record makes its own.
-        losses = torch.stack([sums.loss, sums.ce, sums.moe])
+        losses = torch.stack([sums.loss, sums.ce, sums.moe, *([sums.mtp] if sums.mtp is not None else [])])
         if self.distributed:  # means over ranks (the gradient norm is already global)
             self.health.reduce(losses, "sum")
             losses = losses / self.world_size
-        values = torch.cat([losses, grad_norm.float().reshape(1)]).tolist()
-        row = {"step": step, "loss": values[0], "ce_loss": values[1], "moe_loss": values[2],
-               "grad_norm": values[3], "lr": self.optimizer.param_groups[0]["lr"],
+        values = torch.cat([grad_norm.float().reshape(1), losses]).tolist()
+        row = {"step": step, "loss": values[1], "ce_loss": values[2], "moe_loss": values[3],
+               "grad_norm": values[0], "lr": self.optimizer.param_groups[0]["lr"],
                "tokens_per_s": tokens_per_s}
+        if sums.mtp is not None:  # logged apart: ce_loss stays the main prediction's alone
+            row["mtp_loss"] = values[4]
         with par.worst_case_dispatch(self.model):  # the probe must not depend on the buffer size
             record = self.health.record(step, self.autocast(), self.run_dir)
         if record:

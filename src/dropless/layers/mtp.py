@@ -1,0 +1,61 @@
+"""Multi-token prediction (DeepSeek-V3 style), `model.mtp_depth` D and `model.mtp_weight` (lambda).
+
+Legend: B batch, S sequence, D model width, V vocabulary; S_k = S - k.
+
+The main model predicts token t+1 at position t. Module k (k = 1..D) predicts token t+1+k, keeping
+the causal chain sequential (not D independent heads):
+
+    h_0 = the main model's last hidden state (after its last block, before its final norm)
+    h_k = block_k( W_k [ RMSNorm(h_{k-1}[t]) ; RMSNorm(embed(token t+k)) ] )     for t < S_k
+    loss_k = CE( head(RMSNorm_k(h_k)), token t+1+k )
+
+sharing the model's embedding and LM head (`embed`, `head`: passed in, not owned). With the training
+call's `targets_BS` (token t+1 at t), token t+k is targets[t+k-1] and token t+1+k is targets[t+k], so
+module k sees the first S_k positions only: the last k have no target inside the sequence. Its block
+runs causal attention over those S_k positions with rotary positions 0..S_k-1 (the main model's).
+The model adds lambda * mean_k(loss_k) to its loss; `ce_loss` stays the main prediction's alone.
+
+Where this differs from DeepSeek-V3: its MTP block is an MoE block like the main model's; here each
+module's block is a dense block (the model's dense MLP width), so the MTP modules add no MoE layer,
+no routing statistics and no balancing state (the trainer's per-layer tables are the main model's).
+The modules run in training only (`model.training`): evaluation and generation never call them,
+and `dropless generate` decodes one token at a time from the main head (no speculative decoding).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MTPModule(nn.Module):
+    def __init__(self, d_model: int, block: nn.Module, norm: Callable[[], nn.Module]) -> None:
+        """`block`: a transformer block (the model's Block: block(x, cos, sin).x); `norm`: makes an
+        RMSNorm of width d_model (the model's), so this file needs nothing from model.py."""
+        super().__init__()
+        self.hidden_norm, self.embed_norm, self.out_norm = norm(), norm(), norm()
+        self.proj = nn.Linear(2 * d_model, d_model, bias=False)
+        self.block = block
+
+    def forward(self, h_BSD: torch.Tensor, e_BSD: torch.Tensor, cos_SF: torch.Tensor,
+                sin_SF: torch.Tensor) -> torch.Tensor:
+        x = self.proj(torch.cat([self.hidden_norm(h_BSD), self.embed_norm(e_BSD)], dim=-1))
+        return self.block(x, cos_SF, sin_SF).x
+
+
+def mtp_loss(modules: nn.ModuleList, h_BSD: torch.Tensor, targets_BS: torch.Tensor,
+             embed: nn.Module, head: nn.Module, cos_SF: torch.Tensor, sin_SF: torch.Tensor) -> torch.Tensor:
+    """mean over the D modules of each one's cross-entropy (nats per token), fp32."""
+    S = h_BSD.shape[1]
+    losses = []
+    h = h_BSD
+    for k, module in enumerate(modules, start=1):
+        n = S - k  # positions with a target t+1+k inside the sequence
+        h = module(h[:, :n], embed(targets_BS[:, k - 1:k - 1 + n]), cos_SF[:n], sin_SF[:n])
+        logits = head(module.out_norm(h))
+        losses.append(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                      targets_BS[:, k:k + n].reshape(-1)))
+    return torch.stack(losses).mean()

@@ -1,0 +1,109 @@
+"""Multi-token prediction, `model.mtp_depth` / `model.mtp_weight` (layers/mtp.py): the model's loss
+and every gradient against a plain reference that indexes the full token sequence directly (module k
+at position t reads token t+k and predicts token t+k+1); training only (evaluation and generation
+never run the modules); the trainer logs the MTP loss apart from ce_loss.
+
+Bit-exactness (torch.equal) is claimed because the reference runs the same modules on the same
+inputs at the same shapes (docs/numerics.md), on the CPU in fp32."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dropless.config import ModelConfig
+from dropless.layers import mtp as mtp_mod
+from dropless.model import MoEModel
+from dropless.train.loop import Trainer
+from test_model_knobs import grads, model_cfg
+from tiny_run import rows, tiny
+
+B, S = 2, 12
+
+
+def sequence() -> torch.Tensor:
+    return torch.randint(0, 256, (B, S + 1), generator=torch.Generator().manual_seed(4))
+
+
+def reference_loss(model: MoEModel, full_BS1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(main ce + moe losses + weight * mean_k ce_k, mean_k ce_k) from the full sequence of S + 1."""
+    cfg = model.cfg
+    tok, tgt = full_BS1[:, :S], full_BS1[:, 1:]
+    cos, sin = model.rope_cos, model.rope_sin
+    x = model.embed(tok)
+    moe = []
+    for block in model.blocks:
+        out = block(x, cos[:S], sin[:S])
+        x = out.x
+        if out.moe is not None:
+            moe.append(out.moe)
+    ce = F.cross_entropy(model.head(model.norm(x)).float().reshape(B * S, -1), tgt.reshape(-1))
+    h, losses = x, []
+    for k, m in enumerate(model.mtp, start=1):
+        n = S - k
+        e = model.embed(full_BS1[:, k:k + n])  # token t+k at position t
+        z = m.proj(torch.cat([m.hidden_norm(h[:, :n]), m.embed_norm(e)], dim=-1))
+        h = m.block(z, cos[:n], sin[:n]).x
+        logits = model.head(m.out_norm(h)).float()
+        losses.append(F.cross_entropy(logits.reshape(B * n, -1), full_BS1[:, k + 1:k + 1 + n].reshape(-1)))
+    mtp = sum(losses[1:], losses[0]) / len(losses)
+    return ce + model.balancing_loss(moe) + cfg.mtp_weight * mtp, mtp
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+@pytest.mark.parametrize("recompute", [[], ["layer"], ["attn", "norm"]], ids=lambda r: "+".join(r) or "none")
+def test_mtp_against_reference(depth: int, recompute: list[str]) -> None:
+    cfg = model_cfg(f"model.mtp_depth={depth}", "model.mtp_weight=0.5")
+    torch.manual_seed(0)
+    model = MoEModel(replace(cfg, recompute=recompute))
+    assert len(model.mtp) == depth
+    full = sequence()
+    out = model(full[:, :S], full[:, 1:])
+    got = grads(model, out.loss)
+    want_loss, want_mtp = reference_loss(model, full)
+    assert torch.equal(out.mtp_loss, want_mtp)
+    assert torch.equal(out.loss, want_loss)
+    want = grads(model, want_loss)
+    assert got.keys() == want.keys()
+    for n in got:
+        assert torch.equal(got[n], want[n]), n
+    assert any(n.startswith("mtp.") for n in got) and "embed.weight" in got
+
+
+def test_mtp_off_by_default_and_in_eval() -> None:
+    assert ModelConfig().mtp_depth == 0
+    torch.manual_seed(0)
+    model = MoEModel(model_cfg("model.mtp_depth=2"))
+    full = sequence()
+    out = model(full[:, :S], full[:, 1:])
+    assert out.mtp_loss is not None and not torch.equal(out.loss, out.ce_loss + out.moe_loss)
+    model.eval()  # evaluation: the main loss alone, the modules not run
+    out = model(full[:, :S], full[:, 1:])
+    assert out.mtp_loss is None and torch.equal(out.loss, out.ce_loss + out.moe_loss)
+
+
+def test_mtp_validation() -> None:
+    with pytest.raises(ValueError, match=r"model\.mtp_depth=-1"):
+        ModelConfig(mtp_depth=-1)
+    with pytest.raises(ValueError, match=r"model\.mtp_depth=8: must be < max_seq_len=8"):
+        ModelConfig(mtp_depth=8, max_seq_len=8)
+    with pytest.raises(ValueError, match=r"model\.mtp_weight=-0.1"):
+        ModelConfig(mtp_weight=-0.1)
+
+
+def test_trainer_logs_mtp_apart_and_evaluates_the_main_loss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tiny("model.mtp_depth=1", "train.steps=2", "train.eval_every=2", "train.ckpt_every=2")
+    trainer = Trainer(cfg, tmp_path)
+    trainer.fit()
+    train_rows = rows(tmp_path, "ce_loss")
+    assert train_rows and all("mtp_loss" in r and r["mtp_loss"] > 0 for r in train_rows)
+    for r in train_rows:  # loss = ce + moe + weight * mtp
+        assert abs(r["loss"] - (r["ce_loss"] + r["moe_loss"] + 0.3 * r["mtp_loss"])) < 1e-4
+    calls = []
+    monkeypatch.setattr(mtp_mod.MTPModule, "forward", lambda *a: calls.append(1))
+    trainer.evaluate()
+    assert not calls
