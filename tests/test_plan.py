@@ -234,3 +234,23 @@ def test_world_two_ep_recompute_activations(mode: str) -> None:
     measured = measured_max(cfg, 2, steps=1)
     p = plan(cfg, 2)
     assert abs(p.activations / measured["activations"] - 1) < 0.02, (p.activations, measured["activations"])
+
+
+# the model knobs of docs/quality.md: the planner measures each on fake tensors like any block
+# (identity experts and the latent projections inside the MoE block, the parallel block's
+# order, the layer pattern of moe_layer_freq, the MTP modules beside the head)
+KNOBS = {
+    "layer_freq": ["model.n_layers=4", "model.moe_layer_freq=[1, 3]"],
+    "identity_latent": ["model.moe.n_identity_experts=2", "model.moe.latent_dim=128",
+                        "model.moe.latent_norm=true"],
+    "parallel_block": ["model.block=parallel_moe"],
+    "mtp": ["model.mtp_depth=2"],
+}
+
+
+@pytest.mark.parametrize("knob", sorted(KNOBS))
+def test_knob_activations_match_what_the_forward_leaves_alive(knob: str) -> None:
+    cfg = small(*KNOBS[knob])
+    measured = measure(cfg, steps=1, distributed=False)["activations"]
+    predicted = plan(cfg, 1).activations
+    assert abs(predicted / measured - 1) < 0.02, (predicted, measured)

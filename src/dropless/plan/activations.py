@@ -57,6 +57,7 @@ from ..config import ModelConfig
 from ..layers import offload as offload_mod
 from ..layers import recompute as recompute_mod
 from ..layers.experts import ExpertBatch, GroupedExperts
+from ..layers.mtp import MTPModule, mtp_loss
 from ..model import Block, RMSNorm, rotary_tables
 from ..ops import grouped_gemm
 from ..saved_bytes import saved_bytes
@@ -67,7 +68,7 @@ class ActivationBytes:
     """Bytes kept for the backward of one micro-batch on one rank (per block kind and in total)."""
 
     tokens: int  # T of the micro-batch
-    head: int  # embedding output aside: final norm, LM head, logits, loss
+    head: int  # embedding output aside: final norm, LM head, logits, loss (+ the MTP modules)
     dense_block: int  # one dense block (0 when there is none), on the device
     moe_block: int  # one MoE block, expert rows as this rank's GEMMs see them, on the device
     n_dense: int
@@ -278,15 +279,38 @@ def head_bytes(cfg: ModelConfig, batch: int, seq_len: int, bf16: bool) -> int:
             return saved_bytes(run, x, exclude=params).bytes
 
 
+def mtp_bytes(cfg: ModelConfig, batch: int, seq_len: int, bf16: bool) -> int:
+    """One multi-token prediction module (layers/mtp.py) fed a hidden state of `seq_len` positions
+    (module k: seq_len = S - k + 1; it runs on one position fewer): norms, projection, its dense
+    block, head and loss. Its input (the main model's last hidden state, or the previous module's
+    output) is counted where it was made."""
+    cfg = _plannable(cfg)
+    with fake_world():
+        module = MTPModule(cfg.d_model, Block(cfg, moe=False), lambda: RMSNorm(cfg.d_model, cfg.norm_eps))
+        embed = torch.nn.Embedding(cfg.vocab_size, cfg.d_model)
+        head = torch.nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        x = torch.empty(batch, seq_len, cfg.d_model, requires_grad=True)
+        targets = torch.zeros(batch, seq_len, dtype=torch.int64)
+        cos, sin = rotary_tables(seq_len, cfg.head_width, cfg.rope_theta)
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            return mtp_loss(torch.nn.ModuleList([module]), x, targets, embed, head, cos, sin)
+
+        params = [*module.parameters(), *embed.parameters(), *head.parameters(), cos, sin]
+        with _autocast(bf16), _checkpoints_count_inputs():
+            return saved_bytes(run, x, exclude=params, include_inputs=False).bytes
+
+
 def expert_bytes(cfg: ModelConfig, num_experts: int, rows: int, bf16: bool) -> int:
     """What the experts' GEMMs and activation keep for `rows` rows (their fp32 input rows left out:
     the first GEMM keeps its own cast copy under autocast, and counts them as saved otherwise)."""
     moe = _plannable(cfg).moe
+    width = moe.latent_dim or cfg.d_model  # LatentMoE: the experts' rows are latent rows
     with fake_world():
-        experts = GroupedExperts(num_experts, cfg.d_model, moe.d_expert, moe.activation, moe.act_clamp,
+        experts = GroupedExperts(num_experts, width, moe.d_expert, moe.activation, moe.act_clamp,
                                  moe.act_softcap, moe.backend if moe.capacity_factor is None else "grouped_mm",
                                  moe.precision)
-        x_RD = torch.empty(rows, cfg.d_model, requires_grad=True)
+        x_RD = torch.empty(rows, width, requires_grad=True)
         w_R = torch.empty(rows, requires_grad=True)
         offsets = torch.full((num_experts,), rows, dtype=torch.int32)
         with _autocast(bf16):
@@ -323,5 +347,7 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, bf16: bool,
             moe_host += delta
         else:
             moe += delta
-    return ActivationBytes(T, head_bytes(cfg, batch, seq_len, bf16), dense, moe, n_dense, n_moe,
+    head = head_bytes(cfg, batch, seq_len, bf16)
+    head += sum(mtp_bytes(cfg, batch, seq_len - k + 1, bf16) for k in range(1, cfg.mtp_depth + 1))
+    return ActivationBytes(T, head, dense, moe, n_dense, n_moe,
                            dense_host, moe_host)
