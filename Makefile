@@ -37,6 +37,7 @@ ISA_TESTS ?= tests/distributed/test_ep.py tests/distributed/test_ep_sums.py \
 	tests/train/test_nonfinite.py tests/train/test_checkpoint.py tests/train/test_optim_lowp.py
 ISA_TESTS += tests/serve/test_packed_experts.py tests/serve/test_quantize.py
 ISA_TESTS += tests/serve/test_kv_cache.py tests/serve/test_generate.py tests/test_decode_experts.py
+ISA_TESTS += tests/test_model_knobs.py tests/test_identity_experts.py tests/test_latent_moe.py tests/test_mtp.py tests/serve/test_knobs_generate.py
 ISA_TESTS += tests/test_offload.py tests/distributed/test_recompute_ep.py
 ISA_TESTS += tests/test_recompute.py tests/test_routing_norm_topk.py tests/serve/test_serving_topk.py \
 	tests/serve/test_replay_recompute.py tests/serve/test_replay_training.py
