@@ -28,6 +28,7 @@ BENCHMARKS = {
     "monitor": "dropless.bench.monitor",
     "generate": "dropless.bench.generate",
     "memory": "dropless.bench.memory",
+    "a2a": "dropless.bench.a2a",
 }
 
 
