@@ -142,7 +142,7 @@ def divergence(reports: dict[int, dict], world: Sequence[int], timeout_s: float 
                          "collectives each rank keeps: "
                          + "; ".join(f"rank {r}: {rep['count']} collectives, digest {rep['digest']}"
                                      for r, rep in sorted(reports.items())))
-        if first is None and same and flights:
+        if first is None and same and flights and not missing:
             lines.append("every rank issued the same collectives; the transport timed out (a slow or broken "
                          "link, or a peer stuck in a collective this log does not watch, e.g. FSDP's)")
     if not lines:

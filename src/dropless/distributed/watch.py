@@ -122,8 +122,8 @@ class CommWatch:
         try:
             yield
         except RuntimeError as err:
-            if self.in_flight is None or isinstance(err, CollectiveMismatchError):
-                raise  # not from a watched collective: not ours to explain
+            if isinstance(err, CollectiveMismatchError) or not (self.in_flight is not None or _collective_error(err)):
+                raise  # not from a collective: not ours to explain
             flight, self.in_flight = self.in_flight, None
             message = self._abort(f"a collective failed ({str(err).splitlines()[0][:200]})", flight)
             raise CollectiveMismatchError(message) from err
@@ -162,8 +162,9 @@ class CommWatch:
         if message is not None:
             raise CollectiveMismatchError(message)
 
-    def _abort(self, what: str, flight: Entry) -> str:
-        report = self.log.report(self.rank, self.cur_step, "a failed collective", flight)
+    def _abort(self, what: str, flight: Entry | None) -> str:
+        where = f"a failed collective the watch does not see (FSDP's?) in step {self.cur_step}"
+        report = self.log.report(self.rank, self.cur_step, where, flight)
         return f"{what} on rank {self.rank}; " + self._join_abort(report)
 
     def _join_abort(self, report: dict) -> str:
@@ -173,7 +174,10 @@ class CommWatch:
                 or "every rank reported the same collectives and none waits")
 
     def _deadline_s(self) -> float:
-        return self.timeout_s if self.timeout_s > 0 else 60.0
+        # A peer stuck in a collective can report only once that collective times out, up to one
+        # timeout after this rank got here: wait two (without a timeout set: the backend's default
+        # is 10-30 minutes, so a check waits at most 2 minutes and names whoever is missing).
+        return 2 * self.timeout_s if self.timeout_s > 0 else 120.0
 
     def _gather(self, tag: str, report: dict, abortable: bool = True) -> dict[int, dict] | None:
         """Every rank's report of round `tag`, waiting up to the timeout; the ranks that did not post
@@ -187,6 +191,12 @@ class CommWatch:
                 return None
             time.sleep(_POLL_S)
         return {r: json.loads(self.store.get(k)) for r, k in enumerate(keys) if self.store.check([k])}
+
+
+def _collective_error(err: RuntimeError) -> bool:
+    """A failure of a collective issued inside torch (FSDP's), which the watch did not see go out:
+    NCCL raises `DistError`s; gloo a plain RuntimeError whose text says it timed out."""
+    return isinstance(err, dist.DistError) or "Timed out waiting" in str(err)
 
 
 def _default_store() -> dist.Store:
