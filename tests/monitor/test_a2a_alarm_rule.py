@@ -25,6 +25,8 @@ def test_a2a_slow_fires_above_the_baseline_only() -> None:
     assert _fired(base + [10.0, 15.1, 30.0]) == [(7, pytest.approx(1.51))]  # once per run
     assert _fired([10.0, 10.0, 10.0, 30.0, 10.0, 10.0]) == []  # a spike inside the baseline window
     assert _fired(base + [25.0], ratio=3.0) == []
+    # a slow creep past the margin still fires: the baseline is the run's early rows, it does not follow
+    assert _fired(base + [14.0, 14.5, 14.5, 14.9, 14.9, 16.0]) == [(11, pytest.approx(1.6))]
     assert _fired([1.0] * 3) == []  # too few rows for a baseline
 
 
