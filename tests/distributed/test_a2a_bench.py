@@ -15,7 +15,7 @@ from dropless.cli import main
 def test_bench_a2a_smoke(tmp_path: Path) -> None:
     out = tmp_path / "a2a.json"
     assert main(["bench", "a2a", "--nproc", "2", "--sizes", "4K", "64K", "--repeats", "2", "--warmup", "1",
-                 "--device", "cpu", "--json", str(out)]) == 0
+                 "--device", "cpu", "--overlap", "16", "--json", str(out)]) == 0
     record = json.loads(out.read_text())
     assert record["config"]["backend"] == "gloo" and record["config"]["bytes"] == [4096, 65536]
     rows = record["sizes"]
@@ -26,6 +26,8 @@ def test_bench_a2a_smoke(tmp_path: Path) -> None:
         # nccl-tests convention at N = 2: all-to-all busbw = algbw / 2, all-reduce busbw = algbw
         assert r["a2a_busbw_gbs"] == pytest.approx(r["bytes"] / r["a2a_ms"] / 1e6 / 2, rel=1e-12)
         assert r["all_reduce_busbw_gbs"] == pytest.approx(r["bytes"] / r["all_reduce_ms"] / 1e6, rel=1e-12)
+        assert r["mlp_ms"] > 0 and r["sequential_ms"] > 0 and r["overlapped_ms"] > 0  # --overlap
+        assert r["hidden"] == pytest.approx((r["sequential_ms"] - r["overlapped_ms"]) / min(r["a2a_ms"], r["mlp_ms"]))
     assert list(tmp_path.iterdir()) == [out]  # no temp file left behind
 
 
@@ -44,6 +46,8 @@ def test_bandwidth_convention() -> None:
     (["--sizes", "0K"], "--sizes '0K'"),
     (["--sizes", "lots"], "--sizes 'lots'"),
     (["--repeats", "0"], "--repeats 0"),
+    (["--overlap", "-1"], "--overlap -1"),
+    (["--sizes", "64", "--overlap", "32"], "--sizes 64: below one row"),
 ])
 def test_bench_a2a_refuses_bad_flags(tmp_path: Path, capsys: pytest.CaptureFixture, argv: list[str],
                                      needle: str) -> None:

@@ -11,6 +11,12 @@ each, their ratio, and the bandwidths in the nccl-tests convention: algbw = S / 
 for the all-reduce (a ring's reduce-scatter plus all-gather). Equal busbw means the all-to-all uses
 the links as well as the all-reduce does; an all-to-all far below the all-reduce on the same group
 is the failure the trainer's all-to-all alarm watches for (docs/ep.md, "All-to-all health").
+
+`--overlap D` adds, per size, what overlapping a shared expert with the exchange would save: a
+shared-expert MLP (D -> 4D -> D, SiLU, fp32) over the S/(4D) rows that the all-to-all moves, timed
+alone, after a blocking all-to-all (sequential), and while an `async_op=True` all-to-all is in flight
+(issue, compute, wait). `hidden` = (sequential - overlapped) / min(all-to-all, MLP): 1 when the
+shorter of the two hides entirely behind the other, 0 when nothing overlaps.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 
 from ..cpu_alloc import keep_freed_memory
 from .timing import format_table, interleaved, sync
@@ -51,8 +58,12 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[int]]:
                    help="auto: CUDA (NCCL) when there are --nproc GPUs, else the CPU (gloo)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--overlap", type=int, default=0, metavar="D",
+                   help="also time a width-D shared-expert MLP with and without overlap (0: off)")
     p.add_argument("--json", type=str, default=None, help="write the results here")
     args = p.parse_args(argv)
+    if args.overlap < 0:
+        raise ValueError(f"--overlap {args.overlap}: must be a width >= 1 (0: off)")
     if args.nproc < 2:
         raise ValueError(f"--nproc {args.nproc}: an all-to-all needs at least 2 processes")
     if args.repeats < 1 or args.warmup < 0:
@@ -62,6 +73,8 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[int]]:
         if size % (4 * args.nproc):
             raise ValueError(f"--sizes {text}: {size} bytes do not split into fp32 blocks over "
                              f"{args.nproc} ranks (need a multiple of {4 * args.nproc})")
+        if args.overlap and size < 4 * args.overlap:
+            raise ValueError(f"--sizes {text}: below one row of --overlap {args.overlap} fp32 values")
     if args.device == "cuda" and torch.cuda.device_count() < args.nproc:
         raise ValueError(f"--device cuda: {torch.cuda.device_count()} GPUs for --nproc {args.nproc}")
     if args.device == "auto":
@@ -84,6 +97,22 @@ def _worker(rank: int, args: argparse.Namespace, sizes: list[int], store: str, o
         recv = torch.empty_like(send)
         fns[f"{size}/a2a"] = lambda s=send, r=recv: dist.all_to_all_single(r, s)
         fns[f"{size}/all_reduce"] = lambda s=send: dist.all_reduce(s)  # sums in place: timing only
+        if args.overlap:
+            D = args.overlap
+            x = torch.randn(size // (4 * D), D, device=dev)
+            w1, w2 = torch.randn(4 * D, D, device=dev) / D ** 0.5, torch.randn(D, 4 * D, device=dev) / (2 * D ** 0.5)
+            mlp = lambda x=x, w1=w1, w2=w2: F.linear(F.silu(F.linear(x, w1)), w2)  # noqa: E731
+            fns[f"{size}/mlp"] = mlp
+
+            def sequential(s=send, r=recv, mlp=mlp) -> None:
+                dist.all_to_all_single(r, s)
+                mlp()
+
+            def overlapped(s=send, r=recv, mlp=mlp) -> None:
+                work = dist.all_to_all_single(r, s, async_op=True)
+                mlp()
+                work.wait()
+            fns[f"{size}/sequential"], fns[f"{size}/overlapped"] = sequential, overlapped
 
     def barrier() -> None:
         sync(dev)
@@ -109,6 +138,9 @@ def rows_from_times(ms: dict[str, float], sizes: list[int], nproc: int) -> list[
                          a2a_algbw_gbs=alg_a2a, a2a_busbw_gbs=alg_a2a * (n - 1) / n,
                          all_reduce_algbw_gbs=alg_ar, all_reduce_busbw_gbs=alg_ar * 2 * (n - 1) / n,
                          busbw_ratio=(alg_a2a * (n - 1) / n) / (alg_ar * 2 * (n - 1) / n)))
+        if f"{size}/mlp" in ms:
+            mlp, seq, ovl = ms[f"{size}/mlp"], ms[f"{size}/sequential"], ms[f"{size}/overlapped"]
+            rows[-1].update(mlp_ms=mlp, sequential_ms=seq, overlapped_ms=ovl, hidden=(seq - ovl) / min(a2a, mlp))
     return rows
 
 
@@ -130,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"dropless bench a2a: {config}")
     print(format_table(rows, ["bytes", "a2a_ms", "all_reduce_ms", "a2a_over_all_reduce_time", "a2a_busbw_gbs",
                               "all_reduce_busbw_gbs", "busbw_ratio"]))
+    if args.overlap:
+        print(f"shared-expert MLP (width {args.overlap}) over the rows the all-to-all moves:")
+        print(format_table(rows, ["bytes", "a2a_ms", "mlp_ms", "sequential_ms", "overlapped_ms", "hidden"]))
     if args.json:  # written whole to a temp name, then renamed: no half-written file on failure
         tmp_json = f"{args.json}.tmp-{os.getpid()}"
         with open(tmp_json, "w") as fh:

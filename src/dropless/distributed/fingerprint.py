@@ -41,7 +41,8 @@ class Entry:
         return f"{self.op}|{self.group}|{','.join(map(str, self.ranks))}|{self.dtype}|{self.shape}"
 
     def describe(self) -> str:
-        text = f"#{self.seq} {self.op}(group={self.group} ranks={list(self.ranks)}, {self.dtype}{list(self.shape)}"
+        text = f"#{self.seq} " if self.seq >= 0 else ""  # -1: not recorded (fingerprints off)
+        text += f"{self.op}(group={self.group} ranks={list(self.ranks)}, {self.dtype}{list(self.shape)}"
         if self.in_splits is not None:
             text += f", send rows {list(self.in_splits)}, receive rows {list(self.out_splits or ())}"
         return text + f") in step {self.step}"
@@ -115,7 +116,8 @@ def divergence(reports: dict[int, dict], world: Sequence[int], timeout_s: float 
     entries = {r: _entries(rep) for r, rep in reports.items()}
     flights = {r: Entry.from_dict(rep["in_flight"]) for r, rep in reports.items() if rep.get("in_flight")}
     for r, e in flights.items():  # a collective in flight is part of what the rank issued
-        entries[r][e.seq] = e
+        if e.seq >= 0:  # (seq -1: fingerprints off, the entry only says where the rank waits)
+            entries[r][e.seq] = e
     counts = {r: max(ent, default=-1) + 1 for r, ent in entries.items()}
     same = len({(rep["count"], rep["digest"]) for rep in reports.values()}) <= 1
     if reports and not (same and not flights and not missing):
@@ -143,8 +145,10 @@ def divergence(reports: dict[int, dict], world: Sequence[int], timeout_s: float 
                          + "; ".join(f"rank {r}: {rep['count']} collectives, digest {rep['digest']}"
                                      for r, rep in sorted(reports.items())))
         if first is None and same and flights and not missing:
+            recorded = any(rep["count"] for rep in reports.values())
             lines.append("every rank issued the same collectives; the transport timed out (a slow or broken "
-                         "link, or a peer stuck in a collective this log does not watch, e.g. FSDP's)")
+                         "link, or a peer stuck in a collective this log does not watch, e.g. FSDP's)"
+                         if recorded else "no fingerprints to compare (parallel.check_collectives = false)")
     if not lines:
         return None
     lines += [_where(rep) for _, rep in sorted(reports.items())]

@@ -72,7 +72,7 @@ class CommWatch:
         self._roles = {self._name(g): (role, tuple(dist.get_process_group_ranks(g) if g is not None
                                                    else range(self.world))) for role, g in groups.items()}
         self.log = CollectiveLog(keep)
-        self.store = dist.PrefixStore("dropless-watch", store if store is not None else _default_store())
+        self._store, self._prefixed = store, None  # the rendezvous store: looked up when first needed
         self.in_flight: Entry | None = None
         self.cur_step, self._rounds, self._steps = 0, 0, 0
         self._a2a_s = 0.0
@@ -92,11 +92,12 @@ class CommWatch:
         """Record (check mode), time (all-to-alls) and issue one blocking collective."""
         role, ranks = self._roles.get(self._name(group), ("other", ()))
         shape = tuple(x.shape[1:]) + (len(splits[0]),) if splits is not None else tuple(x.shape)
-        entry = None
+        dtype = str(x.dtype).removeprefix("torch.")
         if self.check:
-            entry = self.log.record(op, role, ranks, str(x.dtype).removeprefix("torch."), shape, self.cur_step,
-                                    *(splits if splits is not None else (None, None)))
-        self.in_flight = entry or Entry(-1, self.cur_step, op, role, ranks, str(x.dtype), shape)
+            self.in_flight = self.log.record(op, role, ranks, dtype, shape, self.cur_step,
+                                             *(splits if splits is not None else (None, None)))
+        else:  # not recorded, but a failure can still say which collective it was
+            self.in_flight = Entry(-1, self.cur_step, op, role, ranks, dtype, shape)
         timed = op == "all_to_all"
         if timed and x.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -172,6 +173,12 @@ class CommWatch:
         reports = self._gather("abort", report, abortable=False) or {}
         return (divergence(reports, range(self.world), self._deadline_s())
                 or "every rank reported the same collectives and none waits")
+
+    @property
+    def store(self) -> dist.Store:
+        if self._prefixed is None:
+            self._prefixed = dist.PrefixStore("dropless-watch", self._store or _default_store())
+        return self._prefixed
 
     def _deadline_s(self) -> float:
         # A peer stuck in a collective can report only once that collective times out, up to one
