@@ -1,5 +1,6 @@
 """The all-to-all health alarm (issue 15): a rank whose all-to-alls slow down mid-run fires `a2a_slow`;
-the same run without the slowdown stays quiet.
+the same run without the slowdown stays quiet (and, with `parallel.check_collectives`, passes every
+fingerprint check).
 
 The slowdown is a test-only wrapper around `torch.distributed.all_to_all_single`, installed in the
 worker process on rank 1 from a chosen step on (what a degraded link or a straggler looks like to the
@@ -24,7 +25,8 @@ STEPS, LOG_EVERY, SLOW_FROM, DELAY_S = 20, 2, 14, 0.02
 # test workers, swings 2.6x between quiet intervals (all-to-all ms per step, one quiet run: 7.96 to
 # 20.95; most of it is waiting for the other rank inside the exchange); the injected slowdown is > 10x.
 RATIO = 4.0
-ARGS = ("parallel.ep_size=2", f"parallel.a2a_alarm_ratio={RATIO}", f"train.steps={STEPS}", f"log.log_every={LOG_EVERY}",
+# check_collectives: a healthy run passes every fingerprint check (and the slow one too: slow is not wrong)
+ARGS = ("parallel.ep_size=2", f"parallel.a2a_alarm_ratio={RATIO}", "parallel.check_collectives=true", f"train.steps={STEPS}", f"log.log_every={LOG_EVERY}",
         f"train.eval_every={STEPS}", f"train.ckpt_every={STEPS}", "train.eval_batches=1")
 
 
