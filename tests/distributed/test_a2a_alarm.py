@@ -26,7 +26,8 @@ STEPS, LOG_EVERY, SLOW_FROM, DELAY_S = 20, 2, 14, 0.02
 # 20.95; most of it is waiting for the other rank inside the exchange); the injected slowdown is > 10x.
 RATIO = 4.0
 # check_collectives: a healthy run passes every fingerprint check (and the slow one too: slow is not wrong)
-ARGS = ("parallel.ep_size=2", f"parallel.a2a_alarm_ratio={RATIO}", "parallel.check_collectives=true", f"train.steps={STEPS}", f"log.log_every={LOG_EVERY}",
+ARGS = ("parallel.ep_size=2", f"parallel.a2a_alarm_ratio={RATIO}", "parallel.check_collectives=true",
+        f"train.steps={STEPS}", f"log.log_every={LOG_EVERY}",
         f"train.eval_every={STEPS}", f"train.ckpt_every={STEPS}", "train.eval_batches=1")
 
 
