@@ -80,7 +80,7 @@ class CollectiveLog:
 
 
 def _entries(report: dict) -> dict[int, Entry]:
-    return {d["seq"]: Entry.from_dict(d) for d in report["recent"]}
+    return {d["seq"]: Entry.from_dict(d) for d in report.get("recent", [])}
 
 
 def _split_mismatch(at: dict[int, Entry]) -> str | None:

@@ -149,19 +149,24 @@ class CommWatch:
     # -- comparing through the store ------------------------------------------------------------------
 
     def compare(self, where: str) -> None:
-        """All ranks post (count, digest, recent log) under this round's key; a difference, a rank
-        that never posts, or another rank's abort raises `CollectiveMismatchError` on every rank."""
+        """All ranks post (count, digest) under this round's key; only when they differ does every
+        rank post and read the recent logs. A difference, a rank that never posts, or another rank's
+        abort raises `CollectiveMismatchError` on every rank."""
         tag = f"c{self._rounds}"
         self._rounds += 1
-        report = self.log.report(self.rank, self.cur_step, where, None)
-        reports = self._gather(tag, report)
+        small = {"rank": self.rank, "step": self.cur_step, "count": self.log.count, "digest": self.log.digest,
+                 "where": where, "in_flight": None, "recent": []}
+        reports = self._gather(tag, small)
         if reports is None:  # another rank aborted: join it
-            raise CollectiveMismatchError(self._join_abort(report))
+            raise CollectiveMismatchError(self._join_abort(self.log.report(self.rank, self.cur_step, where, None)))
         if self._rounds > 1:
             self.store.delete_key(f"c{self._rounds - 2}/{self.rank}")  # every rank has read it
-        message = divergence(reports, range(self.world), self._deadline_s())
-        if message is not None:
-            raise CollectiveMismatchError(message)
+        if len(reports) == self.world and len({(r["count"], r["digest"]) for r in reports.values()}) == 1:
+            return
+        if len(reports) == self.world:  # they differ: the logs name where
+            reports = self._gather(f"{tag}-log", self.log.report(self.rank, self.cur_step, where, None)) or reports
+        raise CollectiveMismatchError(divergence(reports, range(self.world), self._deadline_s())
+                                      or "fingerprints differ")
 
     def _abort(self, what: str, flight: Entry | None) -> str:
         where = f"a failed collective the watch does not see (FSDP's?) in step {self.cur_step}"
@@ -169,7 +174,7 @@ class CommWatch:
         return f"{what} on rank {self.rank}; " + self._join_abort(report)
 
     def _join_abort(self, report: dict) -> str:
-        self.store.set(f"abort/{self.rank}", json.dumps(report))
+        self.store.add("aborted", 1)  # ranks polling at a check see it in one read
         reports = self._gather("abort", report, abortable=False) or {}
         return (divergence(reports, range(self.world), self._deadline_s())
                 or "every rank reported the same collectives and none waits")
@@ -191,10 +196,9 @@ class CommWatch:
         are left out. None when another rank posted an abort meanwhile (and `abortable`)."""
         self.store.set(f"{tag}/{self.rank}", json.dumps(report))
         keys = [f"{tag}/{r}" for r in range(self.world)]
-        aborts = [f"abort/{r}" for r in range(self.world)]
         deadline = time.monotonic() + self._deadline_s()
-        while not self.store.check(keys) and time.monotonic() < deadline:
-            if abortable and any(self.store.check([k]) for k in aborts):
+        while not self.store.check(keys) and time.monotonic() < deadline:  # one read per poll
+            if abortable and self.store.add("aborted", 0) > 0:
                 return None
             time.sleep(_POLL_S)
         return {r: json.loads(self.store.get(k)) for r, k in enumerate(keys) if self.store.check([k])}
