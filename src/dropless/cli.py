@@ -31,6 +31,7 @@ BENCHMARKS = {
     "monitor": "dropless.bench.monitor",
     "generate": "dropless.bench.generate",
     "memory": "dropless.bench.memory",
+    "a2a": "dropless.bench.a2a",
 }
 
 

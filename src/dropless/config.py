@@ -67,6 +67,10 @@ class ParallelConfig:
     # fixed all-to-all buffers from (ranks may hold fewer; more is a ValueError from the shape).
     # 0 = the trainer's micro-batch, train.batch_size * train.seq_len
     max_tokens_per_rank: int = 0
+    # watching the collectives (distributed/watch.py, docs/ep.md "All-to-all health", "Hang diagnostics")
+    check_collectives: bool = False  # fingerprint every watched collective; ranks compare them at log steps
+    collective_timeout_s: float = 0.0  # > 0: a collective fails after this long, naming the ranks missing
+    a2a_alarm_ratio: float = 1.5  # health alarm when an interval's all-to-all time exceeds this x baseline
 
     def __post_init__(self) -> None:
         self.validate("parallel")
@@ -94,6 +98,14 @@ class ParallelConfig:
                 or self.max_tokens_per_rank < 0:
             _fail(f"{prefix}.max_tokens_per_rank", self.max_tokens_per_rank,
                   "must be an int >= 0 (0 = the micro-batch)")
+        if not isinstance(self.check_collectives, bool):
+            _fail(f"{prefix}.check_collectives", self.check_collectives, "must be true or false")
+        t = self.collective_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0:
+            _fail(f"{prefix}.collective_timeout_s", t, "must be >= 0 seconds (0 = the backend's default)")
+        r = self.a2a_alarm_ratio
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not r > 1:
+            _fail(f"{prefix}.a2a_alarm_ratio", r, "must be > 1 (the all-to-all time over its baseline)")
 
     def check_experts(self, num_experts: int, prefix: str = "parallel") -> None:
         """E experts must split evenly over ep_size ranks."""
