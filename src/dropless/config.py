@@ -115,6 +115,7 @@ TOKENIZERS = ("byte", "hf")
 DTYPES = ("auto", "bf16", "fp32")  # "auto": bf16 on CUDA and AMX CPUs, else fp32 (train/device.py)
 DEVICES = ("auto", "cpu", "cuda")  # "auto": CUDA when present
 OPTIMIZERS = ("adamw", "adamw_bf16")
+ATTENTIONS = ("standard", "mla")
 
 
 @dataclass
@@ -131,6 +132,14 @@ class ModelConfig:
     head_dim: int = 0  # width of one head (0 = d_model / n_heads; Qwen3 sets it explicitly)
     qk_norm: bool = False  # RMSNorm of each query and key head before the rotary (Qwen3)
     attn_bias: bool = False  # biases on the q, k, v and output projections
+    # "standard": multi-head / grouped-query attention (model.py); "mla": DeepSeek's multi-head latent
+    # attention (layers/mla.py), where head_dim is the query/key head width (its nope + rope parts)
+    attention: str = "standard"
+    q_lora_rank: int = 0  # mla: rank of the query projection (0 = one full-rank query projection)
+    kv_lora_rank: int = 0  # mla: width of the key/value latent
+    rope_head_dim: int = 0  # mla: the rotary part of each query/key head (one key part for all heads)
+    v_head_dim: int = 0  # mla: width of a value head (0 = head_dim)
+    rope_interleave: bool = False  # mla: rotary dims stored as interleaved pairs (DeepSeek's layout)
     max_seq_len: int = 256
     n_dense_layers: int = 1
     d_ff_dense: int = 512  # hidden width of the dense MLP layers
@@ -156,10 +165,8 @@ class ModelConfig:
             _fail("model.n_kv_heads", self.n_kv_heads, f"does not divide n_heads={self.n_heads}")
         if not self.head_dim and self.d_model % self.n_heads:
             _fail("model.n_heads", self.n_heads, f"does not divide d_model={self.d_model} (or set model.head_dim)")
-        if self.head_width % 2:
-            _fail("model.head_dim" if self.head_dim else "model.n_heads", self.head_dim or self.n_heads,
-                  f"head width {self.head_width} must be even for rotary positions")
-        for name in ("qk_norm", "attn_bias"):
+        self._check_attention()
+        for name in ("qk_norm", "attn_bias", "rope_interleave"):
             if not isinstance(getattr(self, name), bool):
                 _fail(f"model.{name}", getattr(self, name), "must be true or false")
         if not 0 <= self.n_dense_layers <= self.n_layers:
@@ -178,6 +185,40 @@ class ModelConfig:
                 if width % block:
                     _fail(name, width, f"must be a multiple of {block} with model.moe.precision="
                           f"{self.moe.precision!r} (its GEMM blocks along both widths)")
+
+    def _check_attention(self) -> None:
+        _choice("model.attention", self.attention, ATTENTIONS)
+        mla = ("q_lora_rank", "kv_lora_rank", "rope_head_dim", "v_head_dim")
+        for name in mla:
+            if isinstance(getattr(self, name), bool) or not getattr(self, name) >= 0:
+                _fail(f"model.{name}", getattr(self, name), "must be >= 0")
+        if self.attention == "standard":
+            for name in (*mla, "rope_interleave"):
+                if getattr(self, name):
+                    _fail(f"model.{name}", getattr(self, name), "is a field of model.attention='mla'")
+        else:
+            _positive("model.kv_lora_rank", self.kv_lora_rank)
+            if not 0 < self.rope_head_dim < self.head_width:
+                _fail("model.rope_head_dim", self.rope_head_dim, f"must be in (0, head width {self.head_width})")
+            if self.kv_heads != self.n_heads:
+                _fail("model.n_kv_heads", self.n_kv_heads, "model.attention='mla' has one key/value head per query head")
+            if self.qk_norm:
+                _fail("model.qk_norm", self.qk_norm, "model.attention='mla' normalises its latents instead")
+            if "attn_input" in self.offload:
+                _fail("model.offload", self.offload, "'attn_input' hooks the fused qkv projection; "
+                      "model.attention='mla' has none (offload 'attn')")
+        if self.rope_width % 2:
+            name = "rope_head_dim" if self.attention == "mla" else "head_dim" if self.head_dim else "n_heads"
+            _fail(f"model.{name}", getattr(self, name), f"rotary width {self.rope_width} must be even")
+
+    @property
+    def rope_width(self) -> int:
+        """Dims of a head that the rotary turns: all of it, or MLA's rope part."""
+        return self.rope_head_dim if self.attention == "mla" else self.head_width
+
+    @property
+    def value_width(self) -> int:
+        return self.v_head_dim or self.head_width
 
     @property
     def kv_heads(self) -> int:

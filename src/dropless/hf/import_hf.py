@@ -1,4 +1,4 @@
-"""`dropless import-hf DIR --out RUN_DIR`: a Hugging Face Qwen3-MoE or Mixtral checkpoint as a dropless run.
+"""`dropless import-hf DIR --out RUN_DIR`: a Hugging Face Qwen3-MoE, Mixtral or DeepSeek-V3 checkpoint as a dropless run.
 
     dropless import-hf DIR --out RUN_DIR [--set a.b=value ...]
 
@@ -15,6 +15,9 @@ straight into the model's (fp32) parameters, the experts into their region of th
 tensor is checked against the shape config.json implies; a missing, unexpected, misshapen or
 unreadable tensor, a missing shard or an inexpressible config field is a ValueError naming it, and
 nothing is written (the run is assembled in a hidden folder and renamed into place at the end).
+DeepSeek-V3: FP8 block-quantised weights are dequantised to fp32 as they are read (hf/fp8.py, the
+scales read from whichever shard holds them); the multi-token-prediction layers (index >=
+num_hidden_layers) are skipped with a warning that says so.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import json
 import os
 import shutil
 import sys
+import warnings
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -32,7 +36,7 @@ import torch
 
 from ..config import DataConfig, ModelConfig, RunConfig, apply_overrides, save_config, to_dict
 from ..model import MoEModel
-from . import mapping
+from . import fp8, mapping
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -79,12 +83,14 @@ def shard_files(hf_dir: str | Path) -> list[Path]:
     raise ValueError(f"{d}: no {SINGLE_FILE} and no {INDEX_FILE}")
 
 
-def _tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _tensors(path: Path, only: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of a shard, one at a time; `only`: just that tensor, when it is there."""
     safe_open = _safetensors()
     try:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if only is None or name == only:
+                    yield name, f.get_tensor(name)
     except Exception as e:  # safetensors raises its own SafetensorError (truncated file, bad header)
         raise ValueError(f"{path}: cannot read safetensors file ({type(e).__name__}: {e})") from e
 
@@ -95,22 +101,34 @@ def load_weights(model: MoEModel, hf_dir: str | Path, family: str, progress: boo
     cfg = model.cfg
     table = {s.hf_name: s for s in mapping.slots(cfg, family)}
     alternates = {s.hf_name: s for s in mapping.fused_slots(cfg, family)}
-    params = dict(model.named_parameters())
+    params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     filled: dict[str, int] = defaultdict(int)
     seen: set[str] = set()
     unexpected: list[str] = []
+    mtp: set[int] = set()
+    block = fp8.block_size(read_config(hf_dir))
     files = shard_files(hf_dir)
+    index = Path(hf_dir) / INDEX_FILE
+    weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else {}
     bar = _progress(files, progress)
     for path in bar:
         for name, t in _tensors(path):
             slot = table.get(name) or alternates.get(name)
             if slot is None:
-                if not (name == "lm_head.weight" and cfg.tie_embeddings) and not name.endswith(IGNORED_SUFFIXES):
+                layer = _layer_index(name)
+                if family == "deepseek_v3" and layer is not None and layer >= cfg.n_layers:
+                    mtp.add(layer)  # a multi-token-prediction layer: not part of the model
+                elif name.endswith(fp8.SCALE_SUFFIX) and block is not None:
+                    pass  # read with its weight
+                elif not (name == "lm_head.weight" and cfg.tie_embeddings) and not name.endswith(IGNORED_SUFFIXES):
                     unexpected.append(name)
                 continue
-            if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            if t.dtype in fp8.FP8_DTYPES and block is not None:
+                t = fp8.dequantize(t, _scale_of(hf_dir, weight_map, name, path), block) if tuple(t.shape) == slot.shape else t
+            elif t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                 raise ValueError(f"tensor {name} in {path.name}: dtype {t.dtype} is not supported "
-                                 "(fp32, bf16, fp16; FP8 block-quantised weights are not yet)")
+                                 "(fp32, bf16, fp16, or float8_e4m3fn with block scales and a "
+                                 "quantization_config in config.json)")
             if tuple(t.shape) != slot.shape:
                 raise ValueError(f"tensor {name} in {path.name}: shape {tuple(t.shape)}, but config.json "
                                  f"implies {slot.shape}")
@@ -119,6 +137,10 @@ def load_weights(model: MoEModel, hf_dir: str | Path, family: str, progress: boo
             region.copy_(t.transpose(-1, -2) if slot.transpose else t)
             filled[slot.param] += t.numel()
             seen.add(name)
+    if mtp:
+        warnings.warn(f"{hf_dir}: skipped the multi-token-prediction layer(s) {sorted(mtp)} (layer index >= "
+                      f"num_hidden_layers={cfg.n_layers}): dropless neither trains nor exports MTP layers",
+                      stacklevel=2)
     if unexpected:
         raise ValueError(f"unexpected tensors (not part of a {family} model with this config.json): "
                          f"{', '.join(sorted(unexpected)[:8])}{' ...' if len(unexpected) > 8 else ''}")
@@ -128,6 +150,24 @@ def load_weights(model: MoEModel, hf_dir: str | Path, family: str, progress: boo
     missing = [s.hf_name for s in table.values() if s.hf_name not in seen and filled[s.param] < params[s.param].numel()]
     if missing:
         raise ValueError(f"missing tensors: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+
+
+def _layer_index(name: str) -> int | None:
+    parts = name.split(".")
+    if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+        return int(parts[2])
+    return None
+
+
+def _scale_of(hf_dir: str | Path, weight_map: dict[str, str], name: str, path: Path) -> torch.Tensor:
+    """The block scales of the FP8 weight `name` (read from `path`), from whichever shard the index
+    puts them in (one tensor read through the memory map)."""
+    scale = name + fp8.SCALE_SUFFIX
+    where = Path(hf_dir) / weight_map.get(scale, path.name)
+    for n, t in _tensors(where, only=scale):
+        return t
+    raise ValueError(f"tensor {name} in {path.name}: float8 weight without its {scale} "
+                     f"(looked in {where.name})")
 
 
 def _progress(items: list[Path], enabled: bool) -> Any:
@@ -197,8 +237,11 @@ def describe_balancing(cfg: ModelConfig, hf: dict[str, Any]) -> str:
         rules.append(f"global-batch aux loss {b.global_aux_loss_coeff:.4g}")
     if b.z_loss_coeff > 0:
         rules.append(f"z-loss {b.z_loss_coeff:.4g}")
-    if b.bias_update_rate > 0 or b.quantile_balance:
-        rules.append("expert-bias balancing")
+    if b.bias_update_rate > 0:
+        why = (f"{family}'s rule" if b.bias_update_rate == default.bias_update_rate else "set by --set")
+        rules.append(f"loss-free expert-bias balancing, step {b.bias_update_rate:.4g} per optimizer step ({why})")
+    if b.quantile_balance:
+        rules.append("quantile expert-bias balancing")
     return "balancing: " + ("; ".join(rules) if rules else "NONE (every balancing coefficient is 0)")
 
 
@@ -260,7 +303,7 @@ def write_run(hf_dir: str | Path, out: str | Path, overrides: list[str] | None =
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dropless import-hf",
-                                description="Import a Hugging Face Qwen3-MoE or Mixtral checkpoint as a run.")
+                                description="Import a Hugging Face Qwen3-MoE, Mixtral or DeepSeek-V3 checkpoint as a run.")
     p.add_argument("hf_dir", metavar="DIR", help="folder with config.json, *.safetensors, tokenizer.json")
     p.add_argument("--out", required=True, metavar="RUN_DIR", help="the run directory to write")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="a.b=value",
