@@ -305,3 +305,28 @@ def test_config_refuses_mla_fields_on_standard_attention() -> None:
         ModelConfig(attention="mla", kv_lora_rank=8, head_dim=16)
     with pytest.raises(ValueError, match=r"model\.n_kv_heads=2"):
         ModelConfig(attention="mla", kv_lora_rank=8, head_dim=16, rope_head_dim=4, n_kv_heads=2)
+
+
+def test_init_from_trains_with_the_bias_rule_and_exports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`dropless train --init-from hf:DIR` on the tiny DeepSeek-V3: the log names the loss-free bias
+    rule, training moves the correction bias (the rule acts), and the trained run exports to a folder
+    transformers loads with dropless's logits."""
+    from test_hf_cli import SMOKE, sets
+
+    from dropless.cli import main as cli
+    from dropless.serve.load import load_model
+
+    src, run, out = tmp_path / "src", tmp_path / "run", tmp_path / "out"
+    save_hf(deepseek_config(), src)
+    before, _ = import_hf.load_model(src)
+    assert cli(["train", "--init-from", f"hf:{src}", "--run-dir", str(run), *sets(*SMOKE, "train.steps=3")]) == 0
+    assert "balancing: sequence aux loss 0.0001; loss-free expert-bias balancing, step 0.001" in capsys.readouterr().out
+    model, _ = load_model(run)
+    moved = model.blocks[1].ffn.router.expert_bias - before.blocks[1].ffn.router.expert_bias
+    assert 0 < moved.abs().max() <= 3 * 1e-3 + 1e-6  # three sign steps of 1e-3 at most
+    assert cli(["export-hf", str(run), "--out", str(out), "--family", FAMILY, "--max-shard-size-mb", "0.02"]) == 0
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True, dtype=torch.float32)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    x = tokens(seed=8)
+    with torch.no_grad():
+        assert_close(hf.eval()(x).logits, model(x).logits, REFERENCE[torch.float32], "trained, exported")
