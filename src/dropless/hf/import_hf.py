@@ -253,18 +253,13 @@ def copy_tokenizer(hf_dir: Path, dest: Path) -> list[str]:
     return copied
 
 
-def write_run(hf_dir: str | Path, out: str | Path, overrides: list[str] | None = None,
-              progress: bool = False) -> RunConfig:
-    """Import `hf_dir` as the run directory `out` (module note); returns its config."""
-    from ..train import checkpoint as ckpt
-    from ..train import dist_checkpoint
-    from ..train.optim import build_optimizer
+def check_out(hf_dir: Path, out: Path, overrides: list[str]) -> None:
+    """What write_run (and upcycle) refuse before reading any weight."""
     from ..train.resume import is_fixed
 
-    hf_dir, out = Path(hf_dir), Path(out).absolute()
-    for o in overrides or []:
+    for o in overrides:
         name = o.split("=", 1)[0].strip()
-        if is_fixed(name):  # the checkpoint written below must be the model config.json describes
+        if is_fixed(name):  # the checkpoint written must be the model config.json describes
             raise ValueError(f"--set {o}: {name} comes from config.json and the imported weights; "
                              "change it in a new run (dropless train --init-from hf:DIR --set ...)")
     if out.exists() and any(out.iterdir()):
@@ -272,11 +267,15 @@ def write_run(hf_dir: str | Path, out: str | Path, overrides: list[str] | None =
     if not (hf_dir / "tokenizer.json").is_file():
         raise ValueError(f"{hf_dir}: no tokenizer.json (the run trains and generates with the "
                          "checkpoint's own tokenizer)")
-    model_cfg, family = mapping.model_config(read_config(hf_dir))
-    cfg = run_config(model_cfg, out / "tokenizer" / "tokenizer.json", overrides or [])  # fails before loading
-    shard_files(hf_dir)
-    model = MoEModel(cfg.model)  # (only balancing/compute fields of model. may differ from model_cfg)
-    load_weights(model, hf_dir, family, progress)
+
+
+def save_run(model: MoEModel, cfg: RunConfig, hf_dir: Path, out: Path, extra: dict[str, Any]) -> None:
+    """Write `model` as the step-0 checkpoint of the run directory `out` with its config.toml and
+    the checkpoint's tokenizer files, assembled hidden and renamed into place (nothing left on error)."""
+    from ..train import checkpoint as ckpt
+    from ..train import dist_checkpoint
+    from ..train.optim import build_optimizer
+
     tmp = out.parent / f".{out.name}.import-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -289,15 +288,28 @@ def write_run(hf_dir: str | Path, out: str | Path, overrides: list[str] | None =
             raise ValueError(f"tokenizer.json: {vocab} tokens, more than config.json vocab_size="
                              f"{cfg.model.vocab_size}")
         state = {"step": 0, "rng": ckpt.rng_state(), "config": to_dict(cfg), "world_size": 1,
-                 "imported_from": str(hf_dir.absolute()), "family": family}
+                 "imported_from": str(hf_dir.absolute()), **extra}
         dist_checkpoint.save(tmp, 0, model, build_optimizer(model, cfg.train), state)
         save_config(cfg, tmp / "config.toml")
         if out.exists():
-            out.rmdir()  # empty (checked above)
+            out.rmdir()  # empty (check_out)
         os.replace(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+
+
+def write_run(hf_dir: str | Path, out: str | Path, overrides: list[str] | None = None,
+              progress: bool = False) -> RunConfig:
+    """Import `hf_dir` as the run directory `out` (module note); returns its config."""
+    hf_dir, out = Path(hf_dir), Path(out).absolute()
+    check_out(hf_dir, out, overrides or [])
+    model_cfg, family = mapping.model_config(read_config(hf_dir))
+    cfg = run_config(model_cfg, out / "tokenizer" / "tokenizer.json", overrides or [])  # fails before loading
+    shard_files(hf_dir)
+    model = MoEModel(cfg.model)  # (only balancing/compute fields of model. may differ from model_cfg)
+    load_weights(model, hf_dir, family, progress)
+    save_run(model, cfg, hf_dir, out, {"family": family})
     return cfg
 
 
