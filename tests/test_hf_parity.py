@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out, proved against transformers itself (hf/, docs/hf.md).
+"""Hugging Face checkpoints in and out, proved against transformers itself (hf/, docs/models.md).
 
 Every model here is a tiny random-weight Qwen3-MoE or Mixtral built with transformers' own config and
 model classes and saved with `save_pretrained` in small shards (tests/hf_models.py), so each import
