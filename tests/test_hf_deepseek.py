@@ -330,3 +330,31 @@ def test_init_from_trains_with_the_bias_rule_and_exports(tmp_path: Path, capsys:
     x = tokens(seed=8)
     with torch.no_grad():
         assert_close(hf.eval()(x).logits, model(x).logits, REFERENCE[torch.float32], "trained, exported")
+
+
+def test_bad_deepseek_checkpoints_are_refused_by_name(tmp_path: Path) -> None:
+    """A latent width that disagrees with the tensors, a missing correction bias and a float8 weight
+    whose scale is missing each give a ValueError naming the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    save_hf(deepseek_config(), tmp_path, tokenizer=False)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "kv_lora_rank": 11}))
+    with pytest.raises(ValueError, match=r"tensor model\.layers\.\d\.self_attn\.kv_\w+\.weight in .*: shape .*, but config\.json implies"):
+        import_hf.load_model(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    index = json.loads((tmp_path / import_hf.INDEX_FILE).read_text())
+    bias = "model.layers.2.mlp.gate.e_score_correction_bias"
+    shard = tmp_path / index["weight_map"][bias]
+    t = load_file(shard)
+    save_file({k: v for k, v in t.items() if k != bias}, str(shard), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"missing tensors: {bias}"):
+        import_hf.load_model(tmp_path)
+    save_file(t, str(shard), metadata={"format": "pt"})
+    w = "model.layers.0.self_attn.kv_b_proj.weight"
+    shard = tmp_path / index["weight_map"][w]
+    t = load_file(shard)
+    save_file({**t, w: t[w].to(torch.float8_e4m3fn)}, str(shard), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(ValueError, match=f"tensor {w} in .*: float8 weight without its {w}_scale_inv"):
+        import_hf.load_model(tmp_path)
