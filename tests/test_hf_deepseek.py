@@ -13,7 +13,7 @@ fp32, products summed in other orders); KV_DECODE for cached decoding (tests/tol
 from __future__ import annotations
 
 import json
-import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -358,3 +358,22 @@ def test_bad_deepseek_checkpoints_are_refused_by_name(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
     with pytest.raises(ValueError, match=f"tensor {w} in .*: float8 weight without its {w}_scale_inv"):
         import_hf.load_model(tmp_path)
+    with pytest.raises(ValueError, match=r"model\.offload=\['attn_input'\]"):  # it hooks the fused qkv
+        ModelConfig(attention="mla", kv_lora_rank=8, head_dim=16, rope_head_dim=4, offload=["attn_input"])
+
+
+def test_recompute_and_offload_of_latent_attention_are_bit_identical() -> None:
+    """Activation recompute and offload rerun / restore the same latent attention: loss and every
+    gradient equal the plain backward's bit for bit (what the other attention variants guarantee)."""
+    cfg0, _ = mapping.model_config(deepseek_config().to_dict())
+    grads = []
+    for extra in ({}, {"recompute": ["layer"]}, {"recompute": ["attn", "norm"]}, {"offload": ["attn"]}):
+        torch.manual_seed(0)
+        model = MoEModel(replace(cfg0, **extra))
+        x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+        out = model(x, x)
+        out.loss.backward()
+        grads.append([out.loss] + [p.grad for p in model.parameters()])
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other):
+            assert torch.equal(a, b)
