@@ -29,6 +29,12 @@ from dropless.model import MoEModel
 from dropless.ops import routing
 
 FAMILY = "deepseek_v3"
+# YaRN as DeepSeek-V3 uses it (mscale, mscale_all_dim), at a shape where one rotary frequency is
+# extrapolated, one interpolated and two blended (rope dim 8, theta 500, original context 32)
+YARN = dict(qk_rope_head_dim=8, max_position_embeddings=64,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 500.0, "factor": 2.0,
+                             "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
+                             "mscale": 1.0, "mscale_all_dim": 0.8})
 
 
 def test_import_matches_transformers_logits_and_gradients(tmp_path: Path) -> None:
@@ -68,13 +74,17 @@ def test_import_matches_transformers_logits_and_gradients(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize("kw", [dict(q_lora_rank=None, rope_interleave=False),
-                                dict(num_experts_per_tok=1, n_group=2, topk_group=1, attention_bias=True)])
+                                dict(num_experts_per_tok=1, n_group=2, topk_group=1, attention_bias=True),
+                                YARN])
 def test_variants_match_transformers(tmp_path: Path, kw: dict) -> None:
     """A full-rank query with the plain rotary layout; top-1 (renormalised to the scale factor) with
-    attention biases and two groups of four."""
+    attention biases and two groups of four; YaRN rotary with its softmax mscale, on 50 positions
+    (past the original 32)."""
     hf = save_hf(deepseek_config(**kw), tmp_path, tokenizer=False)
     model, _ = import_hf.load_model(tmp_path)
-    x = tokens(seed=7)
+    if kw is YARN:
+        assert model.cfg.rope_yarn.factor == 2.0 and model.blocks[0].attn.scale is not None
+    x = tokens(seed=7, S=50)
     with torch.no_grad():
         assert_close(model(x).logits, hf(x).logits, REFERENCE[torch.float32], f"deepseek_v3 {kw}")
 
@@ -95,10 +105,12 @@ def test_round_trip_is_bit_identical(tmp_path: Path) -> None:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
-def test_export_loads_in_transformers_with_the_same_logits(tmp_path: Path) -> None:
-    """A dropless MLA model with its own random weights and expert bias: transformers loads the export
-    with no missing, unexpected or mismatched keys and computes the same logits."""
-    cfg, _ = mapping.model_config(deepseek_config().to_dict())
+@pytest.mark.parametrize("kw", [{}, YARN])
+def test_export_loads_in_transformers_with_the_same_logits(tmp_path: Path, kw: dict) -> None:
+    """A dropless MLA model with its own random weights and expert bias (plain and YaRN rotary):
+    transformers loads the export with no missing, unexpected or mismatched keys and computes the
+    same logits."""
+    cfg, _ = mapping.model_config(deepseek_config(**kw).to_dict())
     torch.manual_seed(3)
     model = MoEModel(cfg).eval()
     with torch.no_grad():
@@ -112,9 +124,21 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path: Path) -> No
     hf, info = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "out", output_loading_info=True, dtype=torch.float32)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    x = tokens(seed=4)
+    x = tokens(seed=4, S=50)
     with torch.no_grad():
         assert_close(hf.eval()(x).logits, model(x).logits, REFERENCE[torch.float32], "deepseek_v3 export")
+
+
+def test_deepseek_rope_scaling_spelling_gives_the_same_model() -> None:
+    """DeepSeek-V3's published config.json spells YaRN as 4.x `rope_scaling` (`type: yarn`) beside a
+    top-level `rope_theta`: the same model as transformers 5's `rope_parameters`."""
+    a = deepseek_config(**YARN).to_dict()
+    b = dict(a)
+    params = dict(b.pop("rope_parameters"))
+    b["rope_theta"] = params.pop("rope_theta")
+    params["type"] = params.pop("rope_type")
+    b["rope_scaling"] = params
+    assert mapping.model_config(a)[0] == mapping.model_config(b)[0]
 
 
 def test_kv_cache_and_generate_match_the_full_forward() -> None:
@@ -248,7 +272,9 @@ def test_mtp_layers_are_skipped_with_a_warning(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("field,value", [
-    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0, "mscale_all_dim": 1.0}),
+    ("rope_parameters", {"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}),
+    ("rope_parameters.attention_factor", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                          "original_max_position_embeddings": 16, "attention_factor": 0.5}),
     ("moe_layer_freq", 2),
     ("num_key_value_heads", 2),
     ("n_shared_experts", 0),
@@ -258,7 +284,7 @@ def test_mtp_layers_are_skipped_with_a_warning(tmp_path: Path) -> None:
 def test_import_refuses_what_dropless_cannot_express(tmp_path: Path, field: str, value: object) -> None:
     save_hf(deepseek_config(), tmp_path, tokenizer=False)
     hf = json.loads((tmp_path / "config.json").read_text())
-    hf[field] = value
+    hf[field.split(".")[0]] = value
     (tmp_path / "config.json").write_text(json.dumps(hf))
     with pytest.raises(ValueError, match=f"config.json {field}"):
         import_hf.load_model(tmp_path)

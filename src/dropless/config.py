@@ -119,6 +119,30 @@ ATTENTIONS = ("standard", "mla")
 
 
 @dataclass
+class YarnConfig:
+    """YaRN rotary scaling (layers/rotary.py), as transformers' `rope_type: yarn` parameters; factor 1 = off."""
+
+    factor: float = 1.0  # context extension factor
+    original_max_seq_len: int = 0  # positions the model was pretrained on
+    beta_fast: float = 32.0  # rotations at which the ramp from interpolation to extrapolation ends ...
+    beta_slow: float = 1.0  # ... and starts
+    mscale: float = 0.0  # with mscale_all_dim: the cos/sin scale is m(mscale) / m(mscale_all_dim)
+    mscale_all_dim: float = 0.0  # (0: m(1)); MLA also multiplies its softmax scale by m(mscale_all_dim)^2
+
+    def validate(self, prefix: str) -> None:
+        if not self.factor >= 1.0:
+            _fail(f"{prefix}.factor", self.factor, "must be >= 1 (1 = no scaling)")
+        if self.factor > 1.0:
+            _positive(f"{prefix}.original_max_seq_len", self.original_max_seq_len)
+        for name in ("beta_fast", "beta_slow"):
+            if not getattr(self, name) > 0:
+                _fail(f"{prefix}.{name}", getattr(self, name), "must be > 0")
+        for name in ("mscale", "mscale_all_dim"):
+            if not getattr(self, name) >= 0:
+                _fail(f"{prefix}.{name}", getattr(self, name), "must be >= 0")
+
+
+@dataclass
 class ModelConfig:
     """Decoder-only MoE LM: the first `n_dense_layers` use a dense MLP, the rest an MoE layer."""
 
@@ -145,6 +169,7 @@ class ModelConfig:
     d_ff_dense: int = 512  # hidden width of the dense MLP layers
     tie_embeddings: bool = True
     rope_theta: float = 10000.0
+    rope_yarn: YarnConfig = field(default_factory=YarnConfig)  # YaRN scaling (off by default)
     norm_eps: float = 1e-6
     init_std: float = 0.02
     moe: MoEConfig = field(default_factory=MoEConfig)
@@ -156,6 +181,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):
             self.moe = from_dict(MoEConfig, self.moe, "model.moe.")
+        if isinstance(self.rope_yarn, dict):
+            self.rope_yarn = from_dict(YarnConfig, self.rope_yarn, "model.rope_yarn.")
+        self.rope_yarn.validate("model.rope_yarn")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "d_ff_dense"):
             _positive(f"model.{name}", getattr(self, name))
         for name in ("n_kv_heads", "head_dim"):

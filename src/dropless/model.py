@@ -204,7 +204,7 @@ class MoEModel(nn.Module):
         # Residual branches start small so that depth does not blow up the residual stream.
         for block in self.blocks:
             nn.init.normal_(block.attn.out.weight, std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
-        cos, sin = rotary_tables(cfg.max_seq_len, cfg.rope_width, cfg.rope_theta)
+        cos, sin = rotary_tables(cfg.max_seq_len, cfg.rope_width, cfg.rope_theta, cfg.rope_yarn)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 

@@ -33,8 +33,11 @@ Balancing, the family's rule (DeepSeek-V3 report, section 2.1.2): the loss-free 
 (bias_update_rate 1e-3, the report's gamma) plus the complementary sequence-wise aux loss (1e-4, the
 report's alpha); no micro-batch aux loss and no z-loss. transformers trains with neither.
 
-Not expressible, refused by name: yarn or any scaled rotary (so no yarn mscale on the softmax
-scale), moe_layer_freq != 1, num_key_value_heads != num_attention_heads (transformers' MLA would not
+Rotary: plain or YaRN (`rope_parameters` or DeepSeek's own `rope_scaling` spelling, with
+`mscale` / `mscale_all_dim`: the cos/sin factor and the softmax-scale factor of layers/rotary.py).
+
+Not expressible, refused by name: other rotary scalings (linear, dynamic, ...) and yarn's explicit
+`attention_factor` / `partial_rotary_factor` / `truncate: false`, moe_layer_freq != 1, num_key_value_heads != num_attention_heads (transformers' MLA would not
 run either), n_shared_experts = 0, a scoring function other than sigmoid, a topk_method other than
 "noaux_tc", groups of fewer than two experts.
 """
@@ -43,15 +46,52 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..config import ModelConfig
+from ..config import ModelConfig, YarnConfig
 from ..moe_config import BalanceConfig, MoEConfig, RouterConfig
 
 BIAS_UPDATE_RATE = 1e-3
 SEQ_AUX_LOSS_COEFF = 1e-4
 
 
+YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+
+
+def rope(hf: dict[str, Any], refuse: Callable[..., None], plain_theta: Callable[[dict[str, Any]], float]
+         ) -> tuple[float, YarnConfig]:
+    """Rotary base and YaRN scaling from `rope_parameters` (transformers 5) or `rope_scaling` +
+    `rope_theta` (4.x and DeepSeek's own config.json); other scalings are refused by name."""
+    params, where = hf.get("rope_parameters"), "rope_parameters"
+    if params is None and hf.get("rope_scaling") is not None:
+        params, where = {**hf["rope_scaling"], "rope_theta": hf.get("rope_theta", 10000.0)}, "rope_scaling"
+    kind = (params or {}).get("rope_type", (params or {}).get("type", "default"))
+    if kind != "yarn":
+        return plain_theta(hf), YarnConfig()
+    for key in ("attention_factor", "partial_rotary_factor"):
+        if params.get(key) is not None:
+            refuse(f"{where}.{key}", params[key], "not supported with yarn")
+    if params.get("truncate", True) is not True:
+        refuse(f"{where}.truncate", params["truncate"], "only the truncated correction range")
+    original = params.get("original_max_position_embeddings")
+    if original is None:
+        refuse(f"{where}.original_max_position_embeddings", None, "yarn needs it")
+    factor = params.get("factor") or hf["max_position_embeddings"] / original
+    yarn = YarnConfig(factor=float(factor), original_max_seq_len=int(original),
+                      beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                      mscale=float(params.get("mscale") or 0), mscale_all_dim=float(params.get("mscale_all_dim") or 0))
+    return float(params.get("rope_theta", 10000.0)), yarn
+
+
+def rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
+    y = cfg.rope_yarn
+    if y.factor == 1.0:
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    return {"rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": y.factor,
+            "original_max_position_embeddings": y.original_max_seq_len, "beta_fast": y.beta_fast,
+            "beta_slow": y.beta_slow, "mscale": y.mscale, "mscale_all_dim": y.mscale_all_dim}
+
+
 def model_config(hf: dict[str, Any], field: Callable[..., Any], refuse: Callable[..., None],
-                 rope_theta: float) -> ModelConfig:
+                 plain_theta: Callable[[dict[str, Any]], float]) -> ModelConfig:
     """The dropless config of a DeepSeek-V3 config.json (`field` and `refuse` are mapping.py's)."""
     n_layers, H = field(hf, "num_hidden_layers"), field(hf, "num_attention_heads")
     if field(hf, "num_key_value_heads", H) != H:
@@ -82,15 +122,16 @@ def model_config(hf: dict[str, Any], field: Callable[..., Any], refuse: Callable
     F = field(hf, "moe_intermediate_size")
     moe = MoEConfig(num_experts=E, top_k=K, d_expert=F, activation="swiglu", router=router, balance=balance,
                     n_shared_experts=n_shared, d_shared=F)
-    rope, nope = field(hf, "qk_rope_head_dim"), field(hf, "qk_nope_head_dim")
+    rope_dim, nope = field(hf, "qk_rope_head_dim"), field(hf, "qk_nope_head_dim")
+    theta, yarn = rope(hf, refuse, plain_theta)
     return ModelConfig(
         vocab_size=field(hf, "vocab_size"), d_model=field(hf, "hidden_size"), n_layers=n_layers, n_heads=H,
-        head_dim=nope + rope, attention="mla", q_lora_rank=int(hf.get("q_lora_rank") or 0),
-        kv_lora_rank=field(hf, "kv_lora_rank"), rope_head_dim=rope, v_head_dim=field(hf, "v_head_dim"),
+        head_dim=nope + rope_dim, attention="mla", q_lora_rank=int(hf.get("q_lora_rank") or 0),
+        kv_lora_rank=field(hf, "kv_lora_rank"), rope_head_dim=rope_dim, v_head_dim=field(hf, "v_head_dim"),
         rope_interleave=bool(hf.get("rope_interleave", True)), attn_bias=bool(hf.get("attention_bias", False)),
         max_seq_len=field(hf, "max_position_embeddings"), n_dense_layers=n_dense,
         d_ff_dense=int(hf.get("intermediate_size") or 1), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        rope_theta=rope_theta, norm_eps=float(field(hf, "rms_norm_eps")),
+        rope_theta=theta, rope_yarn=yarn, norm_eps=float(field(hf, "rms_norm_eps")),
         init_std=float(hf.get("initializer_range", 0.02)), moe=moe)
 
 
@@ -118,7 +159,7 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
             "n_group": r.n_groups, "topk_group": r.topk_groups, "q_lora_rank": cfg.q_lora_rank or None,
             "kv_lora_rank": cfg.kv_lora_rank, "qk_rope_head_dim": cfg.rope_head_dim,
             "qk_nope_head_dim": cfg.head_width - cfg.rope_head_dim, "v_head_dim": cfg.value_width,
-            "rope_interleave": cfg.rope_interleave, "attention_bias": cfg.attn_bias, "num_nextn_predict_layers": 0}
+            "rope_interleave": cfg.rope_interleave, "rope_parameters": rope_parameters(cfg), "attention_bias": cfg.attn_bias, "num_nextn_predict_layers": 0}
 
 
 def attention_slots(cfg: ModelConfig, hf: str, dl: str, slot: Callable[..., Any]) -> list[Any]:

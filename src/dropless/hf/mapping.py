@@ -120,7 +120,7 @@ def model_config(hf: dict[str, Any]) -> tuple[ModelConfig, str]:
     if float(hf.get("attention_dropout", 0.0) or 0.0) != 0.0:
         _refuse("attention_dropout", hf["attention_dropout"], "dropless has no attention dropout")
     if family == "deepseek_v3":
-        return deepseek.model_config(hf, _field, _refuse, rope_theta(hf)), family
+        return deepseek.model_config(hf, _field, _refuse, rope_theta), family
     d, n_layers, H = _field(hf, "hidden_size"), _field(hf, "num_hidden_layers"), _field(hf, "num_attention_heads")
     max_pos = _field(hf, "max_position_embeddings")
     if family == "qwen3_moe":
@@ -180,6 +180,8 @@ def check_exportable(cfg: ModelConfig, family: str) -> None:
          r.norm_top_k is not None and r.norm_top_k != m.top_k, "weights normalised over the top_k run"),
         ("model.n_dense_layers", cfg.n_dense_layers, cfg.n_moe_layers == 0, "no MoE layer"),
         ("model.qk_norm", cfg.qk_norm, cfg.qk_norm and family != "qwen3_moe", "no q/k RMSNorm"),
+        ("model.rope_yarn.factor", cfg.rope_yarn.factor, cfg.rope_yarn.factor != 1.0 and family != "deepseek_v3",
+         "plain rotary only here (yarn: deepseek_v3)"),
     ]
     if family == "deepseek_v3":
         checks += deepseek.checks(cfg)

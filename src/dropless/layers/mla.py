@@ -21,8 +21,8 @@ Conventions of transformers' DeepseekV3Attention, which this matches (tests/test
 - `rope_interleave`: the checkpoint stores each rotary head as interleaved pairs (x0, x1), (x2, x3),
   ... ; transformers rotates them as pairs and writes the result as [evens | odds]. Taking
   [evens | odds] first and then the usual half-split rotary gives the same numbers;
-- the softmax scale is 1/sqrt(Dqk), SDPA's default for that width (yarn's mscale is refused on
-  import, hf/mapping.py).
+- the softmax scale is 1/sqrt(Dqk), SDPA's default for that width, times YaRN's m(mscale_all_dim)^2
+  when the rotary is YaRN-scaled (layers/rotary.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from torch import nn
 from ..config import ModelConfig
 from .kv_cache import LayerKVCache
 from .norm import RMSNorm
-from .rotary import apply_rotary
+from .rotary import apply_rotary, softmax_mscale
 
 LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3RMSNorm default, used for both latent norms
 
@@ -62,6 +62,8 @@ class LatentAttention(nn.Module):
         self.kv_norm = RMSNorm(self.kv_rank, LATENT_NORM_EPS)
         self.kv_b = nn.Linear(self.kv_rank, H * (self.nope_dim + self.v_dim), bias=False)
         self.out = nn.Linear(H * self.v_dim, D, bias=cfg.attn_bias)
+        mscale = softmax_mscale(cfg.rope_yarn)
+        self.scale = None if mscale == 1.0 else mscale / self.head_dim ** 0.5  # None: SDPA's 1/sqrt(Dqk)
 
     def _query(self, x_BSD: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "q_proj"):
@@ -88,7 +90,7 @@ class LatentAttention(nn.Module):
         if kv is not None:
             k, v = kv.append(k, v)  # -> B H L Dqk, B H L Dv
         if mask_B1SL is None:
-            y_BHSDv = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y_BHSDv = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:
-            y_BHSDv = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1SL)
+            y_BHSDv = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1SL, scale=self.scale)
         return self.out(y_BHSDv.transpose(1, 2).reshape(B, S, H * self.v_dim))
