@@ -403,3 +403,25 @@ def test_recompute_and_offload_of_latent_attention_are_bit_identical() -> None:
     for other in grads[1:]:
         for a, b in zip(grads[0], other):
             assert torch.equal(a, b)
+
+
+def test_deepseek_v3_full_size_config_translates() -> None:
+    """A config.json with DeepSeek-V3's full shape and its own spellings (4.x `rope_scaling` yarn,
+    `scoring_func`, `topk_method`, `moe_layer_freq`, one MTP layer, block FP8): translated without
+    building the model."""
+    hf = {"model_type": "deepseek_v3", "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+          "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840,
+          "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
+          "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8,
+          "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
+          "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "rms_norm_eps": 1e-6,
+          "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                  "weight_block_size": [128, 128]},
+          "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                           "original_max_position_embeddings": 4096, "type": "yarn"},
+          "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False,
+          "topk_group": 4, "topk_method": "noaux_tc", "vocab_size": 129280, "attention_bias": False}
+    cfg, _ = mapping.model_config(hf)
+    assert (cfg.head_width, cfg.rope_head_dim, cfg.value_width, cfg.n_dense_layers) == (192, 64, 128, 3)
+    assert (cfg.rope_yarn.factor, cfg.rope_yarn.original_max_seq_len, cfg.moe.shared_width) == (40.0, 4096, 2048)
+    assert fp8.block_size(hf) == (128, 128)
