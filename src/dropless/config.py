@@ -41,6 +41,8 @@ from .moe_config import (  # noqa: F401  (re-exported: the MoE part of the tree)
     MoEConfig,
 )
 
+from .attn_config import ATTENTIONS, YarnConfig, check_attention  # noqa: F401  (re-exported)
+
 EP_MODES = ("exact", "buffered")
 
 
@@ -115,31 +117,6 @@ TOKENIZERS = ("byte", "hf")
 DTYPES = ("auto", "bf16", "fp32")  # "auto": bf16 on CUDA and AMX CPUs, else fp32 (train/device.py)
 DEVICES = ("auto", "cpu", "cuda")  # "auto": CUDA when present
 OPTIMIZERS = ("adamw", "adamw_bf16")
-ATTENTIONS = ("standard", "mla")
-
-
-@dataclass
-class YarnConfig:
-    """YaRN rotary scaling (layers/rotary.py), as transformers' `rope_type: yarn` parameters; factor 1 = off."""
-
-    factor: float = 1.0  # context extension factor
-    original_max_seq_len: int = 0  # positions the model was pretrained on
-    beta_fast: float = 32.0  # rotations at which the ramp from interpolation to extrapolation ends ...
-    beta_slow: float = 1.0  # ... and starts
-    mscale: float = 0.0  # with mscale_all_dim: the cos/sin scale is m(mscale) / m(mscale_all_dim)
-    mscale_all_dim: float = 0.0  # (0: m(1)); MLA also multiplies its softmax scale by m(mscale_all_dim)^2
-
-    def validate(self, prefix: str) -> None:
-        if not self.factor >= 1.0:
-            _fail(f"{prefix}.factor", self.factor, "must be >= 1 (1 = no scaling)")
-        if self.factor > 1.0:
-            _positive(f"{prefix}.original_max_seq_len", self.original_max_seq_len)
-        for name in ("beta_fast", "beta_slow"):
-            if not getattr(self, name) > 0:
-                _fail(f"{prefix}.{name}", getattr(self, name), "must be > 0")
-        for name in ("mscale", "mscale_all_dim"):
-            if not getattr(self, name) >= 0:
-                _fail(f"{prefix}.{name}", getattr(self, name), "must be >= 0")
 
 
 @dataclass
@@ -193,7 +170,7 @@ class ModelConfig:
             _fail("model.n_kv_heads", self.n_kv_heads, f"does not divide n_heads={self.n_heads}")
         if not self.head_dim and self.d_model % self.n_heads:
             _fail("model.n_heads", self.n_heads, f"does not divide d_model={self.d_model} (or set model.head_dim)")
-        self._check_attention()
+        check_attention(self)
         for name in ("qk_norm", "attn_bias", "rope_interleave"):
             if not isinstance(getattr(self, name), bool):
                 _fail(f"model.{name}", getattr(self, name), "must be true or false")
@@ -213,31 +190,6 @@ class ModelConfig:
                 if width % block:
                     _fail(name, width, f"must be a multiple of {block} with model.moe.precision="
                           f"{self.moe.precision!r} (its GEMM blocks along both widths)")
-
-    def _check_attention(self) -> None:
-        _choice("model.attention", self.attention, ATTENTIONS)
-        mla = ("q_lora_rank", "kv_lora_rank", "rope_head_dim", "v_head_dim")
-        for name in mla:
-            if isinstance(getattr(self, name), bool) or not getattr(self, name) >= 0:
-                _fail(f"model.{name}", getattr(self, name), "must be >= 0")
-        if self.attention == "standard":
-            for name in (*mla, "rope_interleave"):
-                if getattr(self, name):
-                    _fail(f"model.{name}", getattr(self, name), "is a field of model.attention='mla'")
-        else:
-            _positive("model.kv_lora_rank", self.kv_lora_rank)
-            if not 0 < self.rope_head_dim < self.head_width:
-                _fail("model.rope_head_dim", self.rope_head_dim, f"must be in (0, head width {self.head_width})")
-            if self.kv_heads != self.n_heads:
-                _fail("model.n_kv_heads", self.n_kv_heads, "model.attention='mla' has one key/value head per query head")
-            if self.qk_norm:
-                _fail("model.qk_norm", self.qk_norm, "model.attention='mla' normalises its latents instead")
-            if "attn_input" in self.offload:
-                _fail("model.offload", self.offload, "'attn_input' hooks the fused qkv projection; "
-                      "model.attention='mla' has none (offload 'attn')")
-        if self.rope_width % 2:
-            name = "rope_head_dim" if self.attention == "mla" else "head_dim" if self.head_dim else "n_heads"
-            _fail(f"model.{name}", getattr(self, name), f"rotary width {self.rope_width} must be even")
 
     @property
     def rope_width(self) -> int:

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from ..config import YarnConfig
+from ..attn_config import YarnConfig
 
 
 def _m(factor: float, mscale: float = 1.0) -> float:
