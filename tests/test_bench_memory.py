@@ -77,6 +77,28 @@ def test_input_counted_beside_its_saved_cast() -> None:
     assert saved_bytes(lambda t: t.float().sin(), x).bytes == 4 * 8 * (4 + 2)
 
 
+def test_count_held_sees_a_checkpoints_inputs() -> None:
+    """A checkpoint keeps the tensors its region's function captures by reference (not as saved
+    tensors: layers/recompute.py's `recomputed_routed` passes none as arguments) and shadows the
+    counter's hooks inside the region: only count_held sees what it keeps. The output is not counted
+    unless something saved it."""
+    from torch.utils.checkpoint import checkpoint
+
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        h = x * 2  # created by the forward, saved by nothing (a multiply by a number)
+        return checkpoint(lambda: h.sin().cos(), use_reentrant=False)
+
+    assert saved_bytes(region, x).bytes == 4 * 8 * 4  # the input only
+    held = saved_bytes(region, x, count_held=True)
+    assert held.bytes == 2 * 4 * 8 * 4 and held.storages == 2  # the input and h
+    # without a checkpoint the same region saves h and sin(h) (cos's input); the output cos(...) is
+    # held by the caller, not counted
+    plain = lambda x: (x * 2).sin().cos()  # noqa: E731
+    assert saved_bytes(plain, x, count_held=True).bytes == saved_bytes(plain, x).bytes == 3 * 4 * 8 * 4
+
+
 def test_meta_tensors_are_told_apart() -> None:
     # every meta storage has data_ptr 0; the count keys by storage identity, so it is the same as
     # on the CPU (a planner can count without allocating)
@@ -125,6 +147,17 @@ def test_bench_memory_tiny_writes_every_key(tmp_path) -> None:
     # the block keeps more than its MoE layer (attention, norms), the layer more than the floor
     layer = rows[("layer", "dropless")]["saved_bytes_per_token"]
     assert floor < layer < rows[("block", "dropless")]["saved_bytes_per_token"]
+    # every dropless variant in the scopes where it applies
+    for name, (modes, _) in bench.DROPLESS_VARIANTS.items():
+        assert {(scope, name) for scope in modes} <= rows.keys(), name
+    # the whole MoE layer or the whole block recomputed: kept are the checkpoint's input (bf16 x,
+    # held by reference, which only count_held sees) and the forward's expert ids (int64, K a token)
+    for key in [("layer", "dropless_recompute_moe"), ("block", "dropless_recompute_layer")]:
+        assert rows[key]["saved_bytes_per_token"] == 2 * D + 8 * K, key
+    # the keep-everything experts keep x_RD, silu(gate) and the activation (bf16, K rows a token) that
+    # the lean ones drop; the lean ones' row index is the one combine keeps anyway (no extra bytes)
+    keep = rows[("layer", "dropless_keep_act")]["saved_bytes_per_token"]
+    assert keep - layer == 2 * K * (D + F + F)
 
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

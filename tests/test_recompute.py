@@ -45,7 +45,7 @@ ROUTERS = {
     "hash": ["model.moe.router.strategy=hash"],
 }
 MODES = [["layer"], ["full"], ["moe"], ["attn"], ["norm"], ["shared_experts"], ["attn", "norm", "moe"],
-         ["attn", "norm", "shared_experts"]]
+         ["attn", "norm", "shared_experts"], ["attn", "norm", "moe_act"]]
 
 
 def build(cfg: ModelConfig, recompute: list[str]) -> MoEModel:
@@ -218,7 +218,8 @@ def test_resume_may_switch_recompute_on(tmp_path: Path, monkeypatch: pytest.Monk
 
 @pytest.mark.parametrize("value, words", [
     ('["attention"]', "must be one of"),
-    ('["moe_act"]', "not implemented yet"),
+    ('["moe_act", "moe"]', "recomputes the expert activation already"),
+    ('["layer", "moe_act"]', "recomputes the whole block"),
     ('["shared_experts", "moe"]', "recomputes the shared experts already"),
     ('["layer", "moe"]', "recomputes the whole block"),
     ('["full", "norm"]', "recomputes the whole block"),

@@ -44,6 +44,7 @@ from .moe_config import (  # noqa: F401  (re-exported: the MoE part of the tree)
 from .attn_config import ATTENTIONS, YarnConfig, check_attention  # noqa: F401  (re-exported)
 
 EP_MODES = ("exact", "buffered")
+ON_OVERFLOW = ("skip", "retry", "spill")  # buffered EP: what happens to pairs that did not fit
 
 
 @dataclass
@@ -54,10 +55,16 @@ class ParallelConfig:
     ep_mode: str = "exact"  # "exact": split sizes read on the host; "buffered": fixed buffers, no sync
     dedup: bool = True  # a token crosses once per destination rank, however many of its experts live there
     # buffered mode: per-link buffer = factor x the pairs perfectly balanced routing sends over one link,
-    # capped at the worst case; -1 = the worst case (never overflows)
-    ragged_buffer_factor: float = 2.0
+    # capped at the worst case; -1 = the worst case (never overflows); "auto": sized per layer from the
+    # link demand seen at the checks (train/ep_buffers.py). Declared str first so that an override
+    # "auto" parses; numbers are stored as float.
+    ragged_buffer_factor: str | float = 2.0
     overflow_check_every: int = 20  # buffered mode: steps between host checks of the overflow counter
-    retry_on_overflow: bool = True  # buffered mode: rerun an overflowing step with worst-case buffers
+    # buffered mode, older switch: true = on_overflow "retry", false = "skip"; on_overflow wins when set
+    retry_on_overflow: bool = True
+    # buffered mode: "skip" the step, "retry" it with worst-case buffers, "spill" the pairs that did not
+    # fit into a second exact-size exchange in the same layer call; "" = from retry_on_overflow
+    on_overflow: str = ""
     # buffered mode: the most tokens one rank holds in a micro-batch, the bound every rank sizes its
     # fixed all-to-all buffers from (ranks may hold fewer; more is a ValueError from the shape).
     # 0 = the trainer's micro-batch, train.batch_size * train.seq_len
@@ -72,8 +79,16 @@ class ParallelConfig:
         if not isinstance(self.dedup, bool):
             _fail(f"{prefix}.dedup", self.dedup, "must be true or false")
         factor = self.ragged_buffer_factor
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (factor == -1 or factor > 0):
-            _fail(f"{prefix}.ragged_buffer_factor", factor, "must be > 0, or -1 for the worst case")
+        if isinstance(factor, str) and factor != "auto":
+            try:
+                factor = self.ragged_buffer_factor = float(factor)
+            except ValueError:
+                _fail(f"{prefix}.ragged_buffer_factor", factor, "must be > 0, -1 for the worst case, or 'auto'")
+        if factor != "auto" and (isinstance(factor, bool) or not isinstance(factor, (int, float))
+                                 or not (factor == -1 or factor > 0)):
+            _fail(f"{prefix}.ragged_buffer_factor", factor, "must be > 0, -1 for the worst case, or 'auto'")
+        if self.on_overflow:
+            _choice(f"{prefix}.on_overflow", self.on_overflow, ON_OVERFLOW)
         _positive(f"{prefix}.overflow_check_every", self.overflow_check_every)
         if not isinstance(self.retry_on_overflow, bool):
             _fail(f"{prefix}.retry_on_overflow", self.retry_on_overflow, "must be true or false")
@@ -103,6 +118,11 @@ class ParallelConfig:
             _fail("parallel.ep_mode", self.ep_mode, f"with train.optimizer={train.optimizer!r}: the buffered "
                   "overflow guard undoes a skipped step through AdamW's eagerly created state; use "
                   "train.optimizer='adamw' or parallel.ep_mode='exact'")
+
+    @property
+    def overflow_policy(self) -> str:
+        """on_overflow when set, else the older retry_on_overflow switch (configs that predate it)."""
+        return self.on_overflow or ("retry" if self.retry_on_overflow else "skip")
 
     def with_token_bound(self, tokens_per_micro_batch: int) -> ParallelConfig:
         """A copy with max_tokens_per_rank filled in (0 -> the trainer's micro-batch tokens)."""
@@ -213,8 +233,7 @@ class ModelConfig:
         return self.n_layers - self.n_dense_layers
 
 
-RECOMPUTE = ("layer", "full", "moe", "attn", "norm", "shared_experts")
-RECOMPUTE_NOT_YET = ("moe_act",)  # issue 12's name, not built yet: refused
+RECOMPUTE = ("layer", "full", "moe", "attn", "norm", "shared_experts", "moe_act")
 
 
 def check_recompute(modes: list[str], moe: MoEConfig) -> None:
@@ -226,8 +245,6 @@ def check_recompute(modes: list[str], moe: MoEConfig) -> None:
     if isinstance(modes, str) or not all(isinstance(m, str) for m in modes):
         _fail(f, modes, "must be a list of names")
     for m in modes:
-        if m in RECOMPUTE_NOT_YET:
-            _fail(f, m, f"is not implemented yet; available: {', '.join(RECOMPUTE)}")
         _choice(f, m, RECOMPUTE)
     if len(set(modes)) < len(modes):
         _fail(f, modes, "lists a name twice")
@@ -236,6 +253,16 @@ def check_recompute(modes: list[str], moe: MoEConfig) -> None:
         _fail(f, modes, f"{whole[0]!r} recomputes the whole block: list it alone or the finer modes")
     if "shared_experts" in modes and "moe" in modes:
         _fail(f, modes, "'moe' recomputes the shared experts already: list one of them")
+    if "moe_act" in modes:
+        # the lean experts' behaviour, the default (layers/experts.py): accepted where they run
+        if "moe" in modes:
+            _fail(f, modes, "'moe' recomputes the expert activation already: list one of them")
+        if moe.precision != "bf16":
+            _fail(f, modes, f"with model.moe.precision={moe.precision!r}: the low-precision experts "
+                  "keep their activation ('moe_act' is the full-precision lean path)")
+        if moe.capacity_factor is not None or moe.backend == "padded_bmm":
+            _fail(f, modes, f"with model.moe.capacity_factor={moe.capacity_factor}: the capacity "
+                  "layout keeps its activation ('moe_act' is the dropless lean path)")
     if "shared_experts" in modes and not moe.shared_width:
         _fail(f, modes, f"with model.moe.n_shared_experts={moe.n_shared_experts}: no shared experts")
     if whole or "moe" in modes:

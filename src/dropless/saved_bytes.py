@@ -19,16 +19,28 @@ backward (the analytic floor counts it too), and a layer that casts its input an
 cast copy would otherwise look as if it kept nothing of it. `include_inputs=False` counts only what
 autograd itself saves.
 
+`count_held=True` also counts what the forward keeps without saving it: every storage an op created
+during the call that is still alive after it (recorded by a `TorchDispatchMode`, read after a
+garbage collection), except the output's own storages unless something saved them. That is how a
+checkpointed region's inputs are counted: non-reentrant `torch.utils.checkpoint` keeps them by
+reference in its recompute closure (not as saved tensors), and inside the region its own hooks
+shadow this counter's. The same rule as tests/test_recompute.py's `held_bytes`, less the output.
+
 Not seen: tensors a custom Function stashes as plain `ctx` attributes instead of saving them (the
 hooks never see those; dropless's own Functions save every tensor through `save_for_backward`).
 """
 
 from __future__ import annotations
 
+import gc
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 
 @dataclass(frozen=True)
@@ -46,10 +58,29 @@ def _key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+class _Created(TorchDispatchMode):
+    """Every storage an op creates during the mode, by weak reference, with its first tensor's
+    shape and dtype (a storage address freed and reused keeps the latest entry)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: dict[int, tuple[StorageWeakRef, tuple[int, ...], torch.dtype, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                if _key(t) not in self.storages or self.storages[_key(t)][0].expired():
+                    self.storages[_key(t)] = (StorageWeakRef(st), tuple(t.shape), t.dtype, st.nbytes())
+        return out
+
+
 def saved_bytes(fn: Callable[..., Any], *args: Any, exclude: Iterable[torch.Tensor] = (),
-                include_inputs: bool = True, **kwargs: Any) -> SavedBytes:
+                include_inputs: bool = True, count_held: bool = False, **kwargs: Any) -> SavedBytes:
     """Run `fn(*args, **kwargs)` with grad enabled and count what autograd saves for its backward
-    (plus the tensor arguments in `args`, unless `include_inputs=False`)."""
+    (plus the tensor arguments in `args`, unless `include_inputs=False`; plus, with `count_held`,
+    what the forward created and still holds, its outputs excepted: module note)."""
     constants = list(exclude)
     if isinstance(fn, torch.nn.Module):
         constants += list(fn.parameters()) + list(fn.buffers())
@@ -74,7 +105,16 @@ def saved_bytes(fn: Callable[..., Any], *args: Any, exclude: Iterable[torch.Tens
             if isinstance(a, torch.Tensor):
                 add(a)
 
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    created = _Created() if count_held else nullcontext()
+    held: dict[int, tuple[tuple[int, ...], torch.dtype, int]] = {}
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), created:
         out = fn(*args, **kwargs)
-    items = tuple((shape, dtype, s.nbytes()) for s, shape, dtype in seen.values())
+    if count_held:
+        gc.collect()
+        outputs = {_key(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}
+        for key, (ref, shape, dtype, nbytes) in created.storages.items():
+            if ref.expired() or key in seen or key in excluded_keys or key in outputs:
+                continue
+            held[key] = (shape, dtype, nbytes)
+    items = tuple((shape, dtype, s.nbytes()) for s, shape, dtype in seen.values()) + tuple(held.values())
     return SavedBytes(sum(n for *_, n in items), len(items), counts["tensors"], counts["excluded"], out, items)

@@ -70,3 +70,33 @@ def test_bench_ep_smoke(tmp_path: Path) -> None:
         assert row["fwd_bwd_ms"] > 0 and row["recompute_fwd_bwd_ms"] > 0, name
     # k=4 over 2 ranks of 4 experts: every token has >= 2 pairs on some rank, so de-dup sends less
     assert modes["exact+dedup"]["bytes_sent"] < modes["exact"]["bytes_sent"]
+
+
+def test_bench_ep_shifting_skew_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "skew.json"
+    rc = main(["bench", "ep", "--scenario", "shifting-skew", "--nproc", "2", "--tokens", "32", "--dim", "16",
+               "--experts", "8", "--top-k", "2", "--steps", "3", "--check-every", "2", "--repeats", "1",
+               "--warmup", "0", "--json", str(out)])
+    assert rc == 0
+    record = json.loads(out.read_text())
+    pol = record["policies"]
+    for mode in ("buffered", "buffered+dedup"):
+        assert pol[f"{mode} worst case"]["overflow_steps"] == 0  # the worst case never overflows
+        assert pol[f"{mode} fixed 1.0"]["overflow_steps"] > 0  # a busiest link is above the mean
+        for name in ("fixed 1.0", "fixed 1.5", "fixed 2.0", "worst case", "auto"):
+            row = pol[f"{mode} {name}"]
+            assert (row["bytes_retry_extra"] > 0) == (row["overflow_steps"] > 0), (mode, name)
+            assert (row["bytes_spill_extra"] > 0) == (row["overflow_pairs"] > 0), (mode, name)
+    timing = record["spill_vs_retry"]
+    assert timing["pairs_overflowing"] > 0 and min(timing["spill_ms"], timing["retry_ms"], timing["fits_ms"]) > 0
+
+
+def test_bench_ep_replicas_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "rep.json"
+    rc = main(["bench", "ep", "--scenario", "replicas", "--nproc", "4", "--tokens", "256", "--experts", "64",
+               "--top-k", "8", "--steps", "2", "--json", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["numbering"] for r in rows] == ["hot experts first", "random"]
+    for r in rows:  # the copies take load off the busiest rank
+        assert r["replicas"] == 4 and r["busiest_over_mean_replicated"] < r["busiest_over_mean_plain"], r

@@ -13,10 +13,23 @@ from dropless.distributed.ep import link_capacity, must_invalidate
 @pytest.mark.parametrize("field,value", [
     ("ep_size", 0), ("ep_mode", "fast"), ("ragged_buffer_factor", 0.0), ("ragged_buffer_factor", -2.0),
     ("overflow_check_every", 0), ("dedup", "yes"), ("max_tokens_per_rank", -1), ("max_tokens_per_rank", 2.5),
+    ("ragged_buffer_factor", "big"), ("ragged_buffer_factor", "0"), ("on_overflow", "drop"),
 ])
 def test_parallel_config_rejects(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"parallel.{field}="):
         ParallelConfig(**{field: value})
+
+
+def test_on_overflow_and_the_older_switch() -> None:
+    # configs and checkpoints that predate on_overflow carry retry_on_overflow: it still decides
+    assert ParallelConfig().overflow_policy == "retry"
+    assert ParallelConfig(retry_on_overflow=False).overflow_policy == "skip"
+    # on_overflow, when set, wins
+    assert ParallelConfig(retry_on_overflow=False, on_overflow="spill").overflow_policy == "spill"
+    cfg = apply_overrides(ParallelConfig(), ["on_overflow=skip", "ragged_buffer_factor=auto"])
+    assert (cfg.overflow_policy, cfg.ragged_buffer_factor) == ("skip", "auto")
+    # a number given as text (an override) is stored as a float
+    assert apply_overrides(ParallelConfig(), ["ragged_buffer_factor=1.5"]).ragged_buffer_factor == 1.5
 
 
 def test_parallel_config_defaults_and_overrides() -> None:

@@ -37,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 from ..cpu_alloc import keep_freed_memory
 from ..distributed.ep import EPDispatcher, EPMeta, link_capacity
 from ..layers.router import RoutingDecision
+from . import ep_scenarios
 from .timing import format_table, interleaved
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -54,6 +55,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--json", type=str, default=None, help="write the results here")
+    ep_scenarios.add_args(p)
     return p.parse_args(argv)
 
 
@@ -181,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.experts % args.nproc:
         print(f"--experts={args.experts} is not divisible by --nproc={args.nproc}", file=sys.stderr)
         return 2
+    if args.scenario:
+        return ep_scenarios.main(args)
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "result.json")
         mp.start_processes(_worker, args=(args, os.path.join(tmp, "store"), out_path), nprocs=args.nproc,

@@ -9,10 +9,11 @@ Per variant, two scopes:
   sequence (B=1, S=T), H = D/64 heads (at least 1), its MoE part the same layer as in the layer scope.
 
 Columns:
-- saved_bytes_per_token: the bytes of every storage autograd saves for backward during one forward
-  (saved_bytes.py: once per storage, parameters and buffers excluded, the input counted when an op
-  saves it), divided by T. The loss is not part of it (the forward's output is not saved by the
-  layer itself).
+- saved_bytes_per_token: the bytes of every storage the forward keeps for the backward, divided by
+  T (saved_bytes.py with count_held: what autograd saves, once per storage, parameters and buffers
+  excluded, the input counted; plus what the forward created and still holds after it, which is
+  how a recompute checkpoint's inputs count: it keeps them by reference, not as saved tensors).
+  The output is not part of it (the next layer's input).
 - peak_bytes: `torch.cuda.max_memory_allocated` over one fwd+bwd after a reset (absolute: weights,
   input and gradients included), after an untimed warm call; peak_over_start_bytes: the same less
   what was allocated before the call. The CPU allocator reports no peak: both are null there, never an estimate.
@@ -25,7 +26,11 @@ Columns:
   18,432 B. The block rows carry the same figure: the floor of their MoE part only (attention,
   norms and residuals keep more), so their saved/floor ratio is not a claim about a block floor.
 
-Variants (one line each in LAYER_VARIANTS / BLOCK_VARIANTS): dropless (the default MoE layer),
+Variants (one line each in LAYER_VARIANTS / BLOCK_VARIANTS / DROPLESS_VARIANTS): dropless (the
+default MoE layer: the lean experts, which recompute the expert activation, i.e. the `moe_act`
+behaviour), dropless_keep_act (the experts' keep-everything path: `moe_act`'s cost is dropless /
+dropless_keep_act), dropless_recompute_{moe,layer,attn,norm} (model.recompute with that one name;
+`layer`, `attn`, `norm` in the block scope only),
 hf_transformers (transformers' Qwen3-MoE sparse block, or decoder layer in the block scope; only
 when transformers is importable), dense_same_shape (layer scope: the P = T*K rows through one
 expert's weights, see bench/layer.py; its input leaf is the P rows, so it counts K copies of x),
@@ -46,6 +51,8 @@ import torch
 from tqdm import tqdm
 
 from ..config import ModelConfig, MoEConfig
+from ..layers import recompute
+from ..layers.moe import MoELayer
 from ..model import Block, rotary_tables
 from ..saved_bytes import SavedBytes, saved_bytes
 from . import hf_baseline
@@ -58,8 +65,8 @@ COLUMNS = ["scope", "variant", "saved_bytes_per_token", "saved_over_floor", "pea
 HEAD_WIDTH = 64
 GATED = {"swiglu"}  # activations whose expert pre-activation is 2F wide (gate and up)
 
-# (name in bench/layer.py's build_forwards) of each layer-scope variant, in table order
-LAYER_VARIANTS = ("dropless", "hf_transformers", "dense_same_shape")
+# (name in bench/layer.py's build_forwards) of each other layer-scope variant, in table order
+LAYER_VARIANTS = ("hf_transformers", "dense_same_shape")
 
 
 def floor_bytes_per_token(d: int, k: int, f: int, elem_size: int, gated: bool = True) -> int:
@@ -77,9 +84,48 @@ class Row:
     constants: tuple[torch.Tensor, ...] = ()
 
 
+# dropless variants: (scope -> None or the model.recompute name, whether the experts run lean)
+DROPLESS_VARIANTS: dict[str, tuple[dict[str, str | None], bool]] = {
+    "dropless": ({"layer": None, "block": None}, True),
+    "dropless_keep_act": ({"layer": None, "block": None}, False),
+    "dropless_recompute_moe": ({"layer": "moe", "block": "moe"}, True),
+    "dropless_recompute_layer": ({"block": "layer"}, True),
+    "dropless_recompute_attn": ({"block": "attn"}, True),
+    "dropless_recompute_norm": ({"block": "norm"}, True),
+}
+
+
+def _configured(layer: MoELayer, lean: bool, call: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`call()` with the experts' `lean` flag set, restored to the default (True) after the forward.
+    The flag is read when the experts run: in the forward, and in a recompute's backward, which only
+    the lean rows have."""
+    layer.experts.lean = lean
+    try:
+        return call()
+    finally:
+        layer.experts.lean = True
+
+
+def _dropless_layer(layer: MoELayer, ids_TK: torch.Tensor, x_TD: torch.Tensor, mode: str | None,
+                    lean: bool) -> Row:
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if mode == "moe":  # the model's Block does the same around its MoE layer
+            return recompute.recomputed_routed(lambda ids: layer(x, replay_ids=ids), ids_TK,
+                                               lambda o: o.ids_TK).y
+        return layer(x, replay_ids=ids_TK).y
+
+    return Row(lambda x: _configured(layer, lean, lambda: run(x)), x_TD, _params(layer))
+
+
 def _dropless_block(block: Block, ids_BSK: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor,
-                    x_BSD: torch.Tensor, dtype: torch.dtype) -> Row:
-    return Row(lambda x: block(x, cos_SF, sin_SF, replay_ids=ids_BSK).x, x_BSD, _params(block), (cos_SF, sin_SF))
+                    x_BSD: torch.Tensor, mode: str | None, lean: bool) -> Row:
+    modes = recompute.modes_of([mode] if mode else [])
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        block.recompute = modes  # read at the call (the recompute closures capture it)
+        return block(x, cos_SF, sin_SF, replay_ids=ids_BSK).x
+
+    return Row(lambda x: _configured(block.ffn, lean, lambda: run(x)), x_BSD, _params(block), (cos_SF, sin_SF))
 
 
 def _hf_block(block: Block, ids_BSK: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor,
@@ -90,28 +136,33 @@ def _hf_block(block: Block, ids_BSK: torch.Tensor, cos_SF: torch.Tensor, sin_SF:
     return Row(lambda x: forward(x, cos_SF, sin_SF), x_BSD, _params(hf), (cos_SF, sin_SF))
 
 
-# name: builder of the block-scope variant from dropless's block (same weights); None: not available
-BLOCK_VARIANTS: dict[str, Callable[..., Row | None]] = {"dropless": _dropless_block,
-                                                        "hf_transformers": _hf_block}
+# name: builder of a non-dropless block-scope variant from dropless's block (same weights); None: not available
+BLOCK_VARIANTS: dict[str, Callable[..., Row | None]] = {"hf_transformers": _hf_block}
 
 
 def build_rows(shape: str, routing: str, dtype: torch.dtype, device: torch.device,
                tokens: int | None = None, seed: int = 0) -> tuple[dict[tuple[str, str], Row], dict]:
     forwards, meta = build_forwards(shape, routing, dtype, seed, device, only=LAYER_VARIANTS, tokens=tokens)
-    rows = {("layer", n): Row(*forwards[n]) for n in LAYER_VARIANTS if n in forwards}
     T, D, E, K, Fw = dims(shape, tokens)
+    x_TD, host_ids_TK = draw_inputs(shape, routing, dtype, seed, device, tokens)
+    layer = moe_layer(shape, dtype, seed, device)  # bench layer's weights, shared by both scopes
+    rows = {("layer", n): _dropless_layer(layer, host_ids_TK.to(device), x_TD, modes["layer"], lean)
+            for n, (modes, lean) in DROPLESS_VARIANTS.items() if "layer" in modes}
+    rows.update({("layer", n): Row(*forwards[n]) for n in LAYER_VARIANTS if n in forwards})
     H = max(1, D // HEAD_WIDTH)
     cfg = ModelConfig(d_model=D, n_heads=H, max_seq_len=T, n_dense_layers=0, n_layers=1,
                       moe=MoEConfig(num_experts=E, top_k=K, d_expert=Fw))
     torch.manual_seed(seed)
     block = Block(cfg, moe=True)
-    block.ffn = moe_layer(shape, dtype, seed, device)  # the layer scope's weights
+    block.ffn = layer  # the layer scope's layer
     block.to(device=device, dtype=dtype)
     block.ffn.router.float()
-    x_TD, host_ids_TK = draw_inputs(shape, routing, dtype, seed, device, tokens)
     x_BSD = x_TD.detach().view(1, T, D).requires_grad_(True)
     ids_BSK = host_ids_TK.to(device).view(1, T, K)
     cos_SF, sin_SF = (t.to(device) for t in rotary_tables(T, D // H, cfg.rope_theta))
+    for name, (modes, lean) in DROPLESS_VARIANTS.items():
+        if "block" in modes:
+            rows[("block", name)] = _dropless_block(block, ids_BSK, cos_SF, sin_SF, x_BSD, modes["block"], lean)
     for name, build in BLOCK_VARIANTS.items():
         row = build(block, ids_BSK, cos_SF, sin_SF, x_BSD, dtype)
         if row is not None:
@@ -122,7 +173,7 @@ def build_rows(shape: str, routing: str, dtype: torch.dtype, device: torch.devic
 
 def measure_saved(row: Row) -> SavedBytes:
     row.x.grad = None
-    count = saved_bytes(row.fn, row.x, exclude=[*row.params, *row.constants])
+    count = saved_bytes(row.fn, row.x, exclude=[*row.params, *row.constants], count_held=True)
     return dataclasses.replace(count, out=None)  # drop the graph now
 
 
@@ -178,6 +229,13 @@ def run(shape: str, routing: str, dtype: torch.dtype, device: torch.device, repe
         if "hf_transformers" in by:
             meta[f"{scope}_dropless_over_hf"] = (by["dropless"]["saved_bytes_per_token"]
                                                  / by["hf_transformers"]["saved_bytes_per_token"])
+        # step-time cost of each recompute, ratios of one run: moe_act = the lean default against
+        # the keep-everything experts; the others against the default
+        base = by["dropless"]["fwd_bwd_ms"]
+        meta[f"{scope}_moe_act_time_ratio"] = base / by["dropless_keep_act"]["fwd_bwd_ms"]
+        for name in by:
+            if name.startswith("dropless_recompute_"):
+                meta[f"{scope}_{name.removeprefix('dropless_')}_time_ratio"] = by[name]["fwd_bwd_ms"] / base
     return [{**r, **meta} for r in out], meta
 
 
@@ -237,6 +295,10 @@ def main(argv: list[str]) -> int:
     for scope in ("layer", "block"):
         if f"{scope}_dropless_over_hf" in meta:
             print(f"{scope}: dropless / hf_transformers saved bytes = {meta[f'{scope}_dropless_over_hf']:.3f}")
+        times = ", ".join(f"{k.removeprefix(scope + '_').removesuffix('_time_ratio')} {v:.3f}"
+                          for k, v in meta.items() if k.startswith(scope) and k.endswith("_time_ratio"))
+        print(f"{scope}: fwd+bwd time ratios (moe_act: dropless / dropless_keep_act; "
+              f"recompute_X: dropless_recompute_X / dropless): {times}")
     if args.json:
         _write_json(args.json, rows)
     return 0

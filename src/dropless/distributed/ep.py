@@ -40,8 +40,11 @@ ranks; their index_add is sequential on CPU; on CUDA it is atomic (order not fix
 torch.use_deterministic_algorithms is on (the trainer's `train.deterministic`, default true), which
 gives index_select's backward a deterministic kernel (PyTorch documents it in that list).
 
-Devices: every tensor is made on x's device (constants with `new_full`); the only host read is exact
-mode's one `.tolist()` of the split sizes.
+Devices: every tensor is made on x's device (constants with `new_full`); the host reads are exact
+mode's one `.tolist()` of the split sizes and, in buffered mode with `on_overflow="spill"`, one int
+(the group's overflow, from the count exchange) plus, when it is nonzero, the spill trip's exact-mode
+read (ep_spill.py). Buffered mode's link size is a host int: a factor of the balanced load, or with
+factor "auto" `link_pairs`, which train/ep_buffers.py sets between steps.
 """
 
 from __future__ import annotations
@@ -57,12 +60,14 @@ from ..layers.dispatch import DispatchMeta, dispatch_align
 from ..layers.experts import ExpertBatch, GroupedExperts
 from ..layers.router import RoutingDecision
 from ..ops import permute as perm
-from . import comm
+from . import comm, ep_spill
 from .ep_plan import BagSum, bags, dest_layout, excl_cumsum, link_capacity, local_expert_count, source_pairs, take
 
 __all__ = ["EPDispatcher", "EPMeta", "build_ep_dispatcher", "link_capacity", "local_expert_count",
            "must_invalidate"]
 
+# ragged_buffer_factor "auto" before the first check has sized the links (the fixed default's factor)
+AUTO_START_FACTOR = 2.0
 _META_BYTES = 8  # per pair with de-dup: fp32 weight + int32 row index
 _WEIGHT_BYTES = 4  # per pair without de-dup: the fp32 weight
 
@@ -108,16 +113,22 @@ class EPDispatcher:
     collective, on the rank that holds them: the other ranks cannot learn it without a host read, so
     they wait in the count exchange until the process group's timeout (the trainer never gets there:
     its micro-batches are the bound). `top_k`: the pairs per token the buffers are sized for (None: the decision's slots K;
-    the variable-count strategies have K = E slots but about top_k pairs per token).
+    the variable-count strategies have K = E slots but about top_k pairs per token). `on_overflow`
+    "spill": buffered mode sends the pairs that did not fit in a second exact-size exchange
+    (ep_spill.py); "skip" and "retry" are the trainer's business (train/overflow.py).
+    `ragged_buffer_factor` "auto": the link size is `link_pairs`, set between steps by
+    train/ep_buffers.py.
     """
 
     def __init__(self, num_experts: int, group: ProcessGroup | None, *, align: int = 1,
-                 mode: str = "exact", dedup: bool = True, ragged_buffer_factor: float = 2.0,
-                 max_tokens: int = 0, top_k: int | None = None) -> None:
+                 mode: str = "exact", dedup: bool = True, ragged_buffer_factor: float | str = 2.0,
+                 max_tokens: int = 0, top_k: int | None = None, on_overflow: str = "retry") -> None:
         if mode not in ("exact", "buffered"):
             raise ValueError(f"mode={mode!r}: must be 'exact' or 'buffered'")
-        if not (ragged_buffer_factor == -1 or ragged_buffer_factor > 0):
-            raise ValueError(f"ragged_buffer_factor={ragged_buffer_factor!r}: must be > 0 or -1")
+        if not (ragged_buffer_factor == "auto" or ragged_buffer_factor == -1 or ragged_buffer_factor > 0):
+            raise ValueError(f"ragged_buffer_factor={ragged_buffer_factor!r}: must be > 0, -1 or 'auto'")
+        if on_overflow not in ("skip", "retry", "spill"):
+            raise ValueError(f"on_overflow={on_overflow!r}: must be 'skip', 'retry' or 'spill'")
         if mode == "buffered" and max_tokens <= 0:
             raise ValueError(f"max_tokens={max_tokens}: buffered EP sizes its fixed buffers from a bound on "
                              "the tokens per rank that every rank shares (parallel.max_tokens_per_rank; the "
@@ -130,6 +141,9 @@ class EPDispatcher:
         self.align, self.mode, self.dedup = align, mode, dedup
         self.ragged_buffer_factor = ragged_buffer_factor
         self.max_tokens, self.top_k = max_tokens, top_k
+        self.on_overflow = on_overflow
+        # "auto": pair slots per link, set between steps by train/ep_buffers.py (None: AUTO_START_FACTOR)
+        self.link_pairs: int | None = None
 
     @property
     def first_expert(self) -> int:
@@ -137,8 +151,14 @@ class EPDispatcher:
         return self.rank * self.num_local
 
     def capacity(self, num_tokens: int, top_k: int, slots: int | None = None) -> int:
-        """Pair slots per link for `num_tokens` tokens per rank (buffered mode's C)."""
-        return link_capacity(num_tokens, top_k, self.num_local, self.ep_size, self.ragged_buffer_factor, slots)
+        """Pair slots per link for `num_tokens` tokens per rank (buffered mode's C). "auto": the size
+        the adaptive controller set (capped at the worst case), else AUTO_START_FACTOR's."""
+        factor = self.ragged_buffer_factor
+        if factor == "auto":
+            if self.link_pairs is not None:
+                return min(self.link_pairs, link_capacity(num_tokens, top_k, self.num_local, self.ep_size, -1, slots))
+            factor = AUTO_START_FACTOR
+        return link_capacity(num_tokens, top_k, self.num_local, self.ep_size, factor, slots)
 
     def exact(self) -> "EPDispatcher":
         """The same dispatcher in exact mode: any number of tokens per rank, never drops (one host
@@ -150,7 +170,7 @@ class EPDispatcher:
     def worst_case(self) -> "EPDispatcher":
         """The same dispatcher with worst-case buffers: the retry of an overflowing step."""
         other = object.__new__(EPDispatcher)
-        other.__dict__.update(self.__dict__, ragged_buffer_factor=-1)
+        other.__dict__.update(self.__dict__, ragged_buffer_factor=-1, link_pairs=None)
         return other
 
     def _link_slots(self, T: int, K: int) -> tuple[int, int] | tuple[None, None]:
@@ -181,9 +201,12 @@ class EPDispatcher:
         # each slot's routing weight (0 on invalid slots); a permute: its backward is a gather
         w_q = perm.permute_weights(decision.weights_TK, plan)
 
-        # 1. counts exchange (fixed size, on the device)
-        info_PX = torch.cat([src.kept_PL, rows_P[:, None]], 1)
-        recv_PX = comm._exchange(info_PX.reshape(-1), None, None, self.group).view(Pn, L + 1)
+        # 1. counts exchange (fixed size, on the device); spill mode adds this rank's overflow, so
+        # that every rank learns the group's total from the same collective
+        spill = buffered and self.on_overflow == "spill"
+        overflow = src.pairs_P.sum() - kept_P.sum()
+        info = [src.kept_PL, rows_P[:, None]] + ([overflow.expand(Pn, 1)] if spill else [])
+        recv_PX = comm._exchange(torch.cat(info, 1).reshape(-1), None, None, self.group).view(Pn, L + 1 + spill)
         counts_SL = recv_PX[:, :L]  # pairs from source s for local expert l
 
         # 2. sizes: host read (exact) or static (buffered)
@@ -283,17 +306,27 @@ class EPDispatcher:
             src_R = presum_bags = None
 
         demand = src.pairs_P.max() if Q else x_TD.new_zeros((), dtype=torch.int64)
-        meta = EPMeta(pairs_dropped=src.pairs_P.sum() - kept_P.sum(), first_expert=self.first_expert,
+        meta = EPMeta(pairs_dropped=overflow, first_expert=self.first_expert,
                       num_local=L, link_demand=demand, num_tokens=T, back_seg=back_seg,
                       back_bags=back_bags, row_n=lay.row_n, valid_n=lay.valid_n, src_R=src_R,
                       presum_bags=presum_bags, rows_recv=n_rows_recv, splits_back=splits_back,
-                      bytes_sent=bytes_sent, bytes_sent_without_dedup=bytes_plain)
-        return ExpertBatch(x_RD, lay.offsets_L, weights_R=w_R), meta
+                      bytes_sent=bytes_sent, bytes_sent_without_dedup=bytes_plain,
+                      pairs_spilled=overflow.new_zeros(()) if spill else None)
+        batch = ExpertBatch(x_RD, lay.offsets_L, weights_R=w_R)
+        # spill: the one host read of the mode (every rank reads the same total, so all of them take
+        # the same branch and run the same collectives); its second exchange reads its own sizes
+        if spill and int(recv_PX[:, L + 1].sum()):
+            keep_TK = keep_q[plan.row_of_P].view(T, K)
+            valid_TK = decision.valid_TK if decision.valid_TK is not None else torch.ones_like(keep_TK)
+            return ep_spill.dispatch_spill(self.exact(), x_TD, decision, valid_TK & ~keep_TK, batch, meta)
+        return batch, meta
 
     # -- combine -----------------------------------------------------------------------------------
 
     def combine(self, y_RD: torch.Tensor, meta: EPMeta) -> torch.Tensor:
         """The rows back to their tokens, an unweighted sum (the experts applied the weights)."""
+        if isinstance(meta, ep_spill.SpillMeta):
+            return ep_spill.combine_spill(self, self.exact(), y_RD, meta)
         buffered, dedup = meta.splits_back is None, meta.src_R is not None
         if dedup:
             # Pre-sum: add every GEMM row into its received row (padding rows go to row B, cut off;
@@ -322,4 +355,4 @@ def build_ep_dispatcher(moe: MoEConfig, experts: GroupedExperts, cfg: ParallelCo
     what the experts need), buffers sized from `cfg.max_tokens_per_rank` and `moe.top_k`."""
     return EPDispatcher(moe.num_experts, group, align=dispatch_align(moe, experts), mode=cfg.ep_mode,
                         dedup=cfg.dedup, ragged_buffer_factor=cfg.ragged_buffer_factor,
-                        max_tokens=cfg.max_tokens_per_rank, top_k=moe.top_k)
+                        max_tokens=cfg.max_tokens_per_rank, top_k=moe.top_k, on_overflow=cfg.overflow_policy)

@@ -38,6 +38,7 @@ import torch
 
 from ..config import MoEConfig
 from ..ops import permute as P
+from ..ops.lean_experts import RowSource
 from .experts import ExpertBatch, GroupedExperts
 from .router import RoutingDecision
 
@@ -50,11 +51,13 @@ class DispatchMeta:
     first_expert: int  # global index of the first expert of the batch's groups
     num_local: int  # groups in ExpertBatch.offsets_E: experts [first_expert, first_expert + num_local)
     link_demand: torch.Tensor | None = None  # int64 scalar: EP, most pairs routed over one link
+    pairs_spilled: torch.Tensor | None = None  # int64 scalar: EP spill, pairs sent in the second exchange
 
 
 @dataclass(frozen=True, kw_only=True)
 class LocalMeta(DispatchMeta):
     plan: P.RoutingPlan
+    src_R: torch.Tensor | None = None  # plan.src_R, computed once for permute, the experts, combine
 
 
 class Dispatcher(Protocol):
@@ -88,12 +91,16 @@ class LocalDispatcher:
     def dispatch(self, x_TD: torch.Tensor, decision: RoutingDecision) -> tuple[ExpertBatch, LocalMeta]:
         plan = self.plan(decision)
         weights_R = P.permute_weights(decision.weights_TK, plan)
-        batch = ExpertBatch(P.permute(x_TD, plan), plan.offsets_E, plan.capacity, weights_R)
+        # the source lets the lean experts re-gather x_RD in the backward instead of keeping it; its
+        # row index is the one combine's backward keeps (one storage for both)
+        src_R = plan.src_R
+        source = RowSource(x_TD, src_R, P.has_padding(plan))
+        batch = ExpertBatch(P.permute(x_TD, plan, src_R), plan.offsets_E, plan.capacity, weights_R, source)
         return batch, LocalMeta(pairs_dropped=plan.pairs_dropped(), first_expert=0,
-                                num_local=self.num_experts, plan=plan)
+                                num_local=self.num_experts, plan=plan, src_R=src_R)
 
     def combine(self, y_RD: torch.Tensor, meta: LocalMeta) -> torch.Tensor:
-        return P.unpermute(y_RD, meta.plan)
+        return P.unpermute(y_RD, meta.plan, meta.src_R)
 
 
 def dispatch_align(cfg: MoEConfig, experts: GroupedExperts) -> int:

@@ -16,6 +16,14 @@ the activation is multiplied by the batch's weights_R[r] before the down GEMM, (
 w * (h @ W). SwiGLU without clamp or softcap takes the fused `weighted_swiglu`. A batch without
 weights (the experts called on their own) is unweighted.
 
+Lean by default (`lean = True`, a plain attribute): with full precision on the grouped_mm or loop
+backend the MLP runs as `ops.lean_experts` (one autograd Function that keeps only the
+pre-activation h, the routing weights, the indices and a reference to the token rows; the rows are
+re-gathered and the activation recomputed in the backward: docs/memory.md). That is what
+`model.recompute = ["moe_act"]` names. `lean = False` is the keep-everything composition (x_RD,
+h, silu(gate) and the activation kept), kept for comparison (`bench memory`'s
+`dropless_keep_act`); the capacity layout (padded_bmm) and the low-precision recipes always take it.
+
 `row_align` is the row alignment the GEMMs need from a dispatcher: the low-precision recipes quantise
 the wgrad operands in blocks along tokens, so every expert group must be whole token blocks
 (`quant_gemm.plan_align`); full precision needs none. The dispatchers take it via
@@ -32,6 +40,8 @@ from torch import nn
 from ..ops import grouped_gemm, quant_gemm
 from ..ops.activations import activation, is_gated, weighted_swiglu
 from ..ops.autocast import autocast_available
+from ..ops.lean_experts import BACKENDS as LEAN_BACKENDS
+from ..ops.lean_experts import RowSource, lean_experts
 
 
 @dataclass(frozen=True)
@@ -42,6 +52,9 @@ class ExpertBatch:
     offsets_E: torch.Tensor  # int32 group ends
     capacity: int | None = None  # rows per expert in the capacity layout
     weights_R: torch.Tensor | None = None  # routing weight per row (0 on padding); None = unweighted
+    # how x_RD was gathered from the token rows (local dispatch): lets the lean experts re-gather
+    # the rows in the backward instead of keeping them; None (expert parallel, direct calls): keep x_RD
+    source: RowSource | None = None
 
 
 def resolve_backend(backend: str, capacity_mode: bool) -> str:
@@ -59,6 +72,7 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.kind, self.clamp, self.softcap, self.backend = kind, clamp, softcap, backend
         self.precision = precision
+        self.lean = True  # the lean Function where it applies (module note); False: keep everything
         self.row_align = quant_gemm.plan_align(precision, 1)  # 1, or the recipe's token block
         if precision != quant_gemm.FULL_PRECISION:
             quant_gemm.check_widths(precision, d_model, d_expert)
@@ -91,6 +105,18 @@ def expert_gemm(x_RD: torch.Tensor, w_EDF: torch.Tensor, batch: ExpertBatch, bac
     raise ValueError(f"backend={backend!r}: must be grouped_mm, loop or padded_bmm")
 
 
+def runs_lean(spec: GroupedExperts | nn.Module) -> bool:
+    """Whether `run_experts` takes the lean Function for this module (module note). Under
+    torch.compile only the fused SwiGLU does: the other activations' lean backward differentiates
+    its recomputed activation with `torch.autograd.grad`, which dynamo does not trace (fullgraph
+    would fail), so compiled they keep the plain path (same values, more bytes kept)."""
+    if not (getattr(spec, "lean", True) and spec.precision == quant_gemm.FULL_PRECISION
+            and spec.backend in LEAN_BACKENDS):
+        return False
+    fused = spec.kind == "swiglu" and spec.clamp is None and spec.softcap is None
+    return fused or not torch.compiler.is_compiling()
+
+
 def run_experts(spec: GroupedExperts | nn.Module, x_RD: torch.Tensor, w1_EDW: torch.Tensor,
                 w2_EFD: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:
     """The expert MLP over a batch: autocast cast, first GEMM, (weighted) activation, down GEMM.
@@ -102,6 +128,9 @@ def run_experts(spec: GroupedExperts | nn.Module, x_RD: torch.Tensor, w1_EDW: to
         x_RD, w1_EDW, w2_EFD = x_RD.to(dtype), w1_EDW.to(dtype), w2_EFD.to(dtype)
     elif x_RD.dtype != w1_EDW.dtype:
         x_RD = x_RD.to(w1_EDW.dtype)
+    if runs_lean(spec):
+        return lean_experts(x_RD, w1_EDW, w2_EFD, batch.offsets_E, batch.weights_R, batch.source,
+                            spec.kind, spec.clamp, spec.softcap, spec.backend)
     h_R2F = expert_gemm(x_RD, w1_EDW, batch, spec.backend, spec.precision)
     if spec.kind == "swiglu" and spec.clamp is None and spec.softcap is None:
         h_RF = weighted_swiglu(h_R2F, batch.weights_R)

@@ -39,6 +39,7 @@ class MoEStats:
     pairs_dropped: torch.Tensor  # int64 scalar (0 on every dropless path)
     # EP buffered mode: most pairs this rank asked one (source, destination) link to carry (int64)
     link_demand: torch.Tensor | None = None
+    pairs_spilled: torch.Tensor | None = None  # EP on_overflow "spill": pairs that took the second exchange
     # detailed_stats only:
     out_sq_E: torch.Tensor | None = None  # fp32: sum over e's rows of mean_d(y_row^2)
     router_entropy: torch.Tensor | None = None  # fp32: mean_T of -sum_e p log p (nats)
@@ -177,4 +178,5 @@ class MoELayer(nn.Module):
                 extra["quantile_bias_E"] = balance.quantile_bias(
                     self.router.selection_base(decision), self.cfg.top_k)
         dropped = meta.pairs_dropped
-        return MoEStats(counts_E, counts_E.sum() - dropped, dropped, meta.link_demand, **extra)
+        return MoEStats(counts_E, counts_E.sum() - dropped, dropped, meta.link_demand,
+                        pairs_spilled=meta.pairs_spilled, **extra)

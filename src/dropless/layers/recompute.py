@@ -10,6 +10,11 @@ by its inputs, and the backward reruns the region to get them back):
     attn                the attention module (qkv, rotary, SDPA, output projection)
     norm                the block's two RMSNorms
     shared_experts      the MoE layer's shared-expert MLP (the layer checkpoints it itself)
+    moe_act             the expert activation: what the lean experts (ops/lean_experts.py, the
+                        default) always do, recomputing it from the kept pre-activation in their
+                        backward; the name is accepted for Megatron-Core users and changes nothing
+                        here (config.check_recompute refuses it where the experts are not lean:
+                        low-precision recipes, the capacity layout, or together with `moe`)
 
 Routing in the recompute. A recomputed MoE layer must compute exactly what its forward computed, or
 the gradients belong to a different function. Rerunning the router would re-decide the experts: a

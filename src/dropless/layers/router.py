@@ -69,7 +69,8 @@ class Router(nn.Module):
         dev = x_TD.device.type  # "meta" has no autocast to turn off
         off = torch.autocast(dev, enabled=False) if autocast_available(dev) else nullcontext()
         with off:
-            return torch.nn.functional.linear(x_TD.float(), self.weight.float())
+            # keeps x_TD in its own dtype for the backward, not its fp32 copy (ops/routing.py)
+            return routing.router_logits(x_TD, self.weight.float())
 
     def selection_base(self, decision: RoutingDecision) -> torch.Tensor:
         """The unbiased tensor the bias is added to: logits for post-softmax, else the scores."""

@@ -12,7 +12,8 @@ never becomes exactly zero. Both are optional; clamp wins when both are set.
 that optionally multiplies row r by a routing weight w_R[r] (the "memory-efficient permutation" of
 mission.md section 4: the combine weight is folded into the activation, so combine keeps no T*K x D
 tensor for its backward). It saves h_R2F, silu(gate) and w_R (silu is not recomputed: the [R, F]
-it keeps costs less than the extra silu pass, measured on the CPU), and writes the gate and up gradients straight into one [R, 2F]
+it keeps costs less than the extra silu pass, measured on the CPU; the lean experts, ops/lean_experts.py,
+make the other trade and recompute it from h in their backward), and writes the gate and up gradients straight into one [R, 2F]
 buffer (autograd's chunk would concatenate them: one more full pass). `weighted_swiglu_reference` is its specification.
 """
 
@@ -62,11 +63,7 @@ class _WeightedSwiGLU(torch.autograd.Function):
     # dispatcher runs the same rows in differently sized buffers). Measured cost: a few ms per layer.
     @staticmethod
     def forward(ctx, h_R2F: torch.Tensor, w_R: torch.Tensor | None) -> torch.Tensor:
-        gate, up = h_R2F.chunk(2, dim=-1)
-        s_RF = F.silu(gate)  # kept for the backward: recomputing it cost a full silu pass there
-        out = s_RF * up
-        if w_R is not None:
-            out.mul_(w_R.to(out.dtype).unsqueeze(-1))
+        out, s_RF = swiglu_forward(h_R2F, w_R)  # s kept: recomputing it cost a full silu pass
         ctx.save_for_backward(h_R2F, s_RF, w_R)
         ctx.w_dtype = None if w_R is None else w_R.dtype
         return out
@@ -74,27 +71,45 @@ class _WeightedSwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_RF: torch.Tensor):
         h_R2F, s, w_R = ctx.saved_tensors
-        gate, up = h_R2F.chunk(2, dim=-1)
-        if torch.compiler.is_compiling():
-            return _swiglu_backward_functional(grad_RF, gate, up, s, w_R, ctx.needs_input_grad[1],
-                                               ctx.w_dtype)
-        F_ = gate.shape[-1]
-        grad_h = grad_RF.new_empty(gate.shape[0], 2 * F_)
-        g_up = grad_RF * up
-        grad_w = None
-        if w_R is None:
-            torch.mul(grad_RF, s, out=grad_h[:, F_:])
-        else:
-            w_R1 = w_R.to(grad_RF.dtype).unsqueeze(-1)
-            torch.mul(grad_RF * s, w_R1, out=grad_h[:, F_:])
-            if ctx.needs_input_grad[1]:
-                # sum_f grad * up * silu(gate), a row-wise dot product: vecdot is one fused pass
-                # (a [R,1,F] x [R,F,1] bmm gives the same bits but was 10x slower on CPU)
-                grad_w = torch.linalg.vecdot(g_up, s).to(ctx.w_dtype)
-            g_up.mul_(w_R1)
-        # written straight into the gate half: no [R, F] temporary and no copy
-        torch.ops.aten.silu_backward.grad_input(g_up, gate, grad_input=grad_h[:, :F_])
-        return grad_h, grad_w
+        return swiglu_backward(grad_RF, h_R2F, s, w_R, ctx.needs_input_grad[1], ctx.w_dtype)
+
+
+def swiglu_forward(h_R2F: torch.Tensor, w_R: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(silu(gate) * up * w_R[r], silu(gate)): the fused SwiGLU's forward, shared by `_WeightedSwiGLU`
+    and the lean experts (ops/lean_experts.py), which call it again in their backward to recompute
+    the activation from h: the same ops on the same strided halves, so the same bits."""
+    gate, up = h_R2F.chunk(2, dim=-1)
+    s_RF = F.silu(gate)
+    out = s_RF * up
+    if w_R is not None:
+        out.mul_(w_R.to(out.dtype).unsqueeze(-1))
+    return out, s_RF
+
+
+def swiglu_backward(grad_RF: torch.Tensor, h_R2F: torch.Tensor, s: torch.Tensor, w_R: torch.Tensor | None,
+                    want_grad_w: bool, w_dtype: torch.dtype | None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(grad of h_R2F, grad of w_R or None) of `swiglu_forward`, given s = silu(gate)."""
+    gate, up = h_R2F.chunk(2, dim=-1)
+    if torch.compiler.is_compiling():
+        return _swiglu_backward_functional(grad_RF, gate, up, s, w_R, want_grad_w, w_dtype)
+    F_ = gate.shape[-1]
+    grad_h = grad_RF.new_empty(gate.shape[0], 2 * F_)
+    g_up = grad_RF * up
+    grad_w = None
+    if w_R is None:
+        torch.mul(grad_RF, s, out=grad_h[:, F_:])
+    else:
+        w_R1 = w_R.to(grad_RF.dtype).unsqueeze(-1)
+        torch.mul(grad_RF * s, w_R1, out=grad_h[:, F_:])
+        if want_grad_w:
+            # sum_f grad * up * silu(gate), a row-wise dot product: vecdot is one fused pass
+            # (a [R,1,F] x [R,F,1] bmm gives the same bits but was 10x slower on CPU)
+            grad_w = torch.linalg.vecdot(g_up, s).to(w_dtype)
+        g_up.mul_(w_R1)
+    # written straight into the gate half: no [R, F] temporary and no copy
+    torch.ops.aten.silu_backward.grad_input(g_up, gate, grad_input=grad_h[:, :F_])
+    return grad_h, grad_w
 
 
 def _swiglu_backward_functional(grad_RF: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, s: torch.Tensor,

@@ -15,6 +15,15 @@ Backends:
   the output passes through `_ContiguousGrad`. Rows past offsets_E[-1] are left uninitialised: the
   routing plan never reads them.
 - `padded_bmm`: the capacity layout, every expert holding exactly C rows: one batched matmul.
+
+The two backward products of `x_RD @ w_EDF`, for autograd Functions that own their backward
+(ops/lean_experts.py): `grouped_dgrad` (g_RF @ w_EDF^T per group) and `grouped_wgrad` (x^T @ g per
+group, the group dimension reduced: a 2-d x 2-d grouped GEMM with the offsets on the reduced dim),
+each with a `backend` of "grouped_mm" or "loop". They are the products torch's own autograd runs for
+the forward above (derivatives.yaml `_grouped_mm`: `_grouped_mm(grad, mat2.transpose(-2, -1), offs)`
+and `_grouped_mm(self.transpose(-2, -1), grad, offs)`; for the loop, mm's backward per expert), on
+the same padded operands and views, so their results are the same bits as autograd's
+(tests/test_grouped_gemm.py checks it with torch.equal).
 """
 
 from __future__ import annotations
@@ -67,6 +76,48 @@ def grouped_mm(x_RD: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor)
     y = _grouped_mm(x_RD.contiguous(), w_EDF, offs=offsets_E.to(torch.int32))
     y = _ContiguousGrad.apply(y)
     return y[:, :Fo] if Fp != Fo else y
+
+
+def _padded(x_RD: torch.Tensor, D: int, Fo: int) -> tuple[int, int]:
+    mult = 16 // x_RD.element_size()
+    return _pad_to(D, mult), _pad_to(Fo, mult)
+
+
+def grouped_dgrad(g_RF: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor,
+                  backend: str = "grouped_mm") -> torch.Tensor:
+    """dx_RD of y = grouped_mm(x_RD, w_EDF): g_RF @ w_EDF[e]^T on group e. Rows past the last group
+    end are left uninitialised ("grouped_mm", as autograd's) or zero ("loop"): nothing reads them."""
+    D, Fo = w_EDF.shape[-2:]
+    if backend == "loop":
+        ends = offsets_E.tolist()
+        parts = [g_RF[s:e].mm(w_EDF[i].t()) for i, (s, e) in enumerate(zip([0] + ends[:-1], ends))]
+        tail = g_RF.shape[0] - ends[-1]
+        if tail:
+            parts.append(g_RF.new_zeros(tail, D))
+        return torch.cat(parts)
+    Dp, Fp = _padded(g_RF, D, Fo)
+    if Dp != D or Fp != Fo:  # the operands the forward padded, padded the same way
+        g_RF = F.pad(g_RF, (0, Fp - Fo))
+        w_EDF = F.pad(w_EDF, (0, Fp - Fo, 0, Dp - D))
+    dx = _grouped_mm(g_RF.contiguous(), w_EDF.transpose(-2, -1), offs=offsets_E.to(torch.int32))
+    return dx[:, :D] if Dp != D else dx
+
+
+def grouped_wgrad(x_RD: torch.Tensor, g_RF: torch.Tensor, offsets_E: torch.Tensor,
+                  backend: str = "grouped_mm") -> torch.Tensor:
+    """dw_EDF of y = grouped_mm(x_RD, w_EDF): x^T @ g summed over group e's rows (zero for an empty
+    group; rows past the last group end are not read)."""
+    D, Fo = x_RD.shape[-1], g_RF.shape[-1]
+    if backend == "loop":
+        ends = offsets_E.tolist()
+        return torch.stack([x_RD[s:e].t().mm(g_RF[s:e]) for s, e in zip([0] + ends[:-1], ends)])
+    Dp, Fp = _padded(x_RD, D, Fo)
+    if Dp != D or Fp != Fo:
+        x_RD = F.pad(x_RD, (0, Dp - D))
+        g_RF = F.pad(g_RF, (0, Fp - Fo))
+    dw = _grouped_mm(x_RD.contiguous().transpose(-2, -1), g_RF.contiguous(),
+                     offs=offsets_E.to(torch.int32))
+    return dw[:, :D, :Fo] if Dp != D or Fp != Fo else dw
 
 
 def padded_bmm(x_RD: torch.Tensor, w_EDF: torch.Tensor, capacity: int) -> torch.Tensor:

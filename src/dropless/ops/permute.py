@@ -225,9 +225,11 @@ class _Permute(torch.autograd.Function):
         return _gather_sum(grad_RD, row_of_P, ctx.top_k, keep_P), None, None, None, None, None
 
 
-def permute(x_TD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
-    """Gather token rows into expert order: x_RD. Padding rows are zeros."""
-    return _Permute.apply(x_TD, plan.src_R, plan.row_of_P, plan.top_k, _has_padding(plan), plan.mask_P)
+def permute(x_TD: torch.Tensor, plan: RoutingPlan, src_R: torch.Tensor | None = None) -> torch.Tensor:
+    """Gather token rows into expert order: x_RD. Padding rows are zeros. `src_R`: `plan.src_R`
+    when the caller already has it (one index tensor instead of a new one per call)."""
+    src_R = plan.src_R if src_R is None else src_R
+    return _Permute.apply(x_TD, src_R, plan.row_of_P, plan.top_k, has_padding(plan), plan.mask_P)
 
 
 class _Combine(torch.autograd.Function):
@@ -259,7 +261,7 @@ class _Combine(torch.autograd.Function):
         return grad_y, grad_w, None, None, None
 
 
-def _has_padding(plan: RoutingPlan) -> bool:
+def has_padding(plan: RoutingPlan) -> bool:
     """Whether pair_of_R holds the padding index P (static: no device read)."""
     return plan.num_rows != plan.num_tokens * plan.top_k or plan.mask_P is not None
 
@@ -268,15 +270,17 @@ def combine(y_RD: torch.Tensor, weights_TK: torch.Tensor, plan: RoutingPlan) -> 
     """out_TD = sum_j weights_TK[t, j] * y_RD[row of (t, j)]; dropped and invalid pairs count zero."""
     if plan.mask_P is not None:
         weights_TK = weights_TK * plan.mask_P.view_as(weights_TK)
-    return _Combine.apply(y_RD, weights_TK, plan.row_of_P, plan.pair_of_R, _has_padding(plan))
+    return _Combine.apply(y_RD, weights_TK, plan.row_of_P, plan.pair_of_R, has_padding(plan))
 
 
-def unpermute(y_RD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+def unpermute(y_RD: torch.Tensor, plan: RoutingPlan, src_R: torch.Tensor | None = None) -> torch.Tensor:
     """out_TD = sum_j y_RD[row of (t, j)]: the adjoint of `permute`, for rows already weighted.
 
     Dropped pairs of a capacity plan count zero (their row_of_P points at row 0, which holds another
-    pair, so they are masked out)."""
-    return _Unpermute.apply(y_RD, plan.row_of_P, plan.src_R, plan.mask_P, plan.top_k, _has_padding(plan))
+    pair, so they are masked out). `src_R` as in `permute` (its backward keeps it: pass the one
+    the experts keep too, and the two share a storage)."""
+    src_R = plan.src_R if src_R is None else src_R
+    return _Unpermute.apply(y_RD, plan.row_of_P, src_R, plan.mask_P, plan.top_k, has_padding(plan))
 
 
 class _Unpermute(torch.autograd.Function):
@@ -304,4 +308,4 @@ def permute_weights(weights_TK: torch.Tensor, plan: RoutingPlan) -> torch.Tensor
     dropped pairs of a capacity plan get no row and a zero gradient.
     """
     w_P1 = weights_TK.reshape(-1, 1)
-    return _Permute.apply(w_P1, plan.pair_of_R, plan.row_of_P, 1, _has_padding(plan), plan.mask_P).view(-1)
+    return _Permute.apply(w_P1, plan.pair_of_R, plan.row_of_P, 1, has_padding(plan), plan.mask_P).view(-1)

@@ -15,6 +15,11 @@ Numerics: everything here runs in fp32. A bf16 router flips expert choices on ne
 8 mantissa bits, so logits 1e-2 apart at magnitude 4 are equal) and such flips were seen to make
 training diverge; the caller casts the input to fp32 before the router GEMM.
 
+The router GEMM keeps its input in the input's dtype (`router_logits`): autograd's fp32 linear on
+`x.float()` would keep the fp32 copy for the weight gradient, a [T, D] fp32 tensor (4 KB per token
+at d=1024) beside the bf16 input the caller keeps anyway; the Function re-casts the saved input in
+the backward and runs the same products, so logits and gradients are the same bits.
+
 Selection is done on `scores + bias` (or `logits + bias` for post-softmax); the weights are always
 gathered from the unbiased scores, so the bias steers load without changing what the experts' outputs
 are multiplied by.
@@ -43,6 +48,33 @@ import torch
 import torch.nn.functional as F
 
 from .permute import bin_counts
+
+
+def router_logits_reference(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
+    """fp32 logits x_TD @ w_ED^T, autograd keeping the fp32 copy of x."""
+    return torch.nn.functional.linear(x_TD.float(), w_ED)
+
+
+class _RouterLinear(torch.autograd.Function):
+    # The backward runs the products autograd's mm backward runs for the reference (grad @ w for the
+    # input, then the cast back to its dtype; grad^T @ x for the weight, the column-major branch of
+    # mm_mat2_backward, as w^T is column-major), so the gradients are the same bits.
+    @staticmethod
+    def forward(ctx, x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x_TD, w_ED)
+        return torch.nn.functional.linear(x_TD.float(), w_ED)
+
+    @staticmethod
+    def backward(ctx, g_TE: torch.Tensor):
+        x_TD, w_ED = ctx.saved_tensors
+        gx = g_TE.mm(w_ED).to(x_TD.dtype) if ctx.needs_input_grad[0] else None
+        gw = g_TE.t().mm(x_TD.float()) if ctx.needs_input_grad[1] else None
+        return gx, gw
+
+
+def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
+    """fp32 router logits of 2-d `x_TD` (any float dtype) and fp32 `w_ED`, keeping x_TD as given."""
+    return _RouterLinear.apply(x_TD, w_ED)
 
 
 def score_fn(logits_TE: torch.Tensor, score_func: str) -> torch.Tensor:

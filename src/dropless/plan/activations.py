@@ -11,24 +11,34 @@ one block of each kind (dense, MoE) is built from the config and run forward on 
 CPU, so CPU autocast casts them as in training and SDPA takes the CPU flash kernel, which keeps the
 output and log-sum-exp as the GPU flash kernels do; on plain `meta` SDPA falls back to the math path
 and would count an [S, S] matrix per head that no training run keeps). The count is
-`dropless.saved_bytes.saved_bytes` (storages, once each, parameters excluded), plus three things
+`dropless.saved_bytes.saved_bytes` (storages, once each, parameters excluded), plus two things
 that are alive during the backward but that autograd does not "save":
 - the inputs a recompute checkpoint keeps by reference (docs/memory.md: inside a checkpointed region
   the checkpoint's own hooks shadow the counter, and the region's inputs, often closure-captured, are
   no saved tensors): every storage an op inside the region reads that the region did not create
   (`_RegionReads`), parameters and constant tables excluded;
-- the block's input (include_inputs), which the previous block created and nobody else counts;
 - what the model returns and the trainer holds until the backward: each MoE layer's `MoEOutput`
   (its output y, ids, losses, statistics: `ModelOutput.moe`), the logits.
+The block's input counts when the block keeps it (its first norm saves it, a checkpoint reads it),
+not otherwise: under `layer` or `norm` offload nothing on the device keeps it once the block has run.
 
 The embedding, final norm, LM head and loss form the `head` part, measured the same way (the last
 block's output is its counted input; the logits and the fp32 log-softmax of the loss are there). Token
 ids and targets are batch inputs, made before the forward: not counted (16 bytes per token).
 
+Activation offload (`model.offload`, layers/offload.py) runs as in training: the block is built
+with its offload scopes, whose saved-tensor hooks are inner to the counter's and take what is saved
+inside them (so the counter sees only what stays on the device), and the block's offload counter adds
+up what they move (`bytes_to_host`: the host bytes of the micro-batch). On fake tensors the host copy
+is a stand-in that records the storage's size and allocates nothing (`_HostCopyStandIn`).
+
 Expert parallelism changes only the expert GEMMs' row count (R: the received rows, which in the
 buffered mode are the fixed buffer of factor x the balanced need), so the MoE block is measured on one
 device and its experts' share is replaced: minus the experts on the local T*K rows, plus the L local
-experts on R rows, both measured on fake tensors the same way.
+experts on R rows, both measured on fake tensors the same way. The substitution goes where the
+experts' saved tensors go: nowhere when the experts are recomputed (`moe`, `layer`: the recompute
+repeats the all-to-alls and keeps no dispatched rows, docs/memory.md), into the host bytes when they
+are offloaded (`layer`, `moe`, `experts`), else into the device bytes.
 """
 
 from __future__ import annotations
@@ -39,11 +49,12 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..config import ModelConfig
+from ..layers import offload as offload_mod
 from ..layers import recompute as recompute_mod
 from ..layers.experts import ExpertBatch, GroupedExperts
 from ..model import Block, RMSNorm, rotary_tables
@@ -57,10 +68,16 @@ class ActivationBytes:
 
     tokens: int  # T of the micro-batch
     head: int  # embedding output aside: final norm, LM head, logits, loss
-    dense_block: int  # one dense block (0 when there is none)
-    moe_block: int  # one MoE block, expert rows as this rank's GEMMs see them
+    dense_block: int  # one dense block (0 when there is none), on the device
+    moe_block: int  # one MoE block, expert rows as this rank's GEMMs see them, on the device
     n_dense: int
     n_moe: int
+    dense_host: int = 0  # what model.offload moves to host memory, per dense block
+    moe_host: int = 0  # per MoE block
+
+    @property
+    def host_total(self) -> int:
+        return self.n_dense * self.dense_host + self.n_moe * self.moe_host
 
     @property
     def total(self) -> int:
@@ -150,16 +167,53 @@ def _grouped_mm_any_dtype(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor |
     return _GroupedMMStandIn.apply(a, b, offs)
 
 
+class _HostCopyStandIn:
+    """layers/offload.py's host copy on fake tensors: the storage's size, nothing allocated (the
+    real one would allocate a host storage of that size and copy a fake one into it)."""
+
+    def __init__(self, t: torch.Tensor, stream: Any) -> None:
+        self.device, self.nbytes, self.stream, self.restored = t.device, t.untyped_storage().nbytes(), None, None
+
+    def restore(self) -> torch.UntypedStorage:
+        raise RuntimeError("the planner's fake offload has no backward")
+
+
+_real_pack = offload_mod.OffloadScope.pack
+
+
+def _pack_fake(scope: offload_mod.OffloadScope, t: torch.Tensor) -> Any:
+    """OffloadScope.pack for fake tensors. The real one leaves every tensor subclass in place (it
+    moves plain tensors only), and on fake tensors every tensor is a FakeTensor: this takes a fake
+    plain tensor as the real pack takes a plain one (parameters, their views and the keep tensors
+    stay, each other storage is copied once) and counts it the same way."""
+    if (type(t) is not FakeTensor or t.layout != torch.strided or t.device.type != "cpu"
+            or _key(t) in scope.keep):
+        return _real_pack(scope, t)  # a parameter (or a view of one) or a kept table: left in place
+    count, key = scope.offloader.counter, _key(t)
+    if key not in scope.copies:
+        copy = offload_mod._HostCopy(t, None)
+        scope.copies[key] = (copy, t.untyped_storage())
+        count.storages += 1
+        count.bytes_to_host += copy.nbytes
+    count.tensors += 1
+    return t  # no backward runs here
+
+
 @contextlib.contextmanager
 def fake_world() -> Iterator[None]:
-    """Fake tensors on the 'cpu', with the grouped GEMM able to take fp32 there."""
-    real = grouped_gemm._grouped_mm
+    """Fake tensors on the 'cpu', with the grouped GEMM able to take fp32 there and the offload's
+    host copies counted, not made."""
+    real, real_copy = grouped_gemm._grouped_mm, offload_mod._HostCopy
     grouped_gemm._grouped_mm = _grouped_mm_any_dtype
+    offload_mod._HostCopy = _HostCopyStandIn
+    offload_mod.OffloadScope.pack = _pack_fake
     try:
         with FakeTensorMode():
             yield
     finally:
         grouped_gemm._grouped_mm = real
+        offload_mod._HostCopy = real_copy
+        offload_mod.OffloadScope.pack = _real_pack
 
 
 def _autocast(bf16: bool) -> contextlib.AbstractContextManager:
@@ -183,8 +237,9 @@ def _plannable(cfg: ModelConfig) -> ModelConfig:
     return replace(cfg, moe=moe)
 
 
-def block_bytes(cfg: ModelConfig, batch: int, seq_len: int, bf16: bool, moe: bool) -> int:
-    """Bytes one block keeps for its backward at [batch, seq_len] tokens (module note)."""
+def block_bytes(cfg: ModelConfig, batch: int, seq_len: int, bf16: bool, moe: bool) -> tuple[int, int]:
+    """Bytes one block keeps for its backward at [batch, seq_len] tokens: (on the device, moved to
+    host by model.offload) (module note)."""
     cfg = _plannable(cfg)
     with fake_world():
         block = Block(cfg, moe=moe)
@@ -199,7 +254,9 @@ def block_bytes(cfg: ModelConfig, batch: int, seq_len: int, bf16: bool, moe: boo
             return out
 
         with _autocast(bf16), _checkpoints_count_inputs():
-            return saved_bytes(run, x, exclude=[*block.parameters(), *block.buffers(), cos, sin]).bytes
+            device = saved_bytes(run, x, exclude=[*block.parameters(), *block.buffers(), cos, sin],
+                                 include_inputs=False).bytes
+        return device, block.offloader.counter.bytes_to_host if block.offloader else 0
 
 
 def head_bytes(cfg: ModelConfig, batch: int, seq_len: int, bf16: bool) -> int:
@@ -237,16 +294,33 @@ def expert_bytes(cfg: ModelConfig, num_experts: int, rows: int, bf16: bool) -> i
                                exclude=list(experts.parameters()), include_inputs=False).bytes
 
 
+def experts_kept_on(cfg: ModelConfig) -> str:
+    """Where the routed experts' saved tensors are during the backward: 'recomputed' (inside a
+    `moe` or `layer` checkpoint: nowhere), 'host' (inside a `layer`, `moe` or `experts` offload
+    scope) or 'device'."""
+    if recompute_mod.modes_of(cfg.recompute) & {"layer", "moe"}:
+        return "recomputed"
+    if set(cfg.offload) & {"layer", "moe", "experts"}:
+        return "host"
+    return "device"
+
+
 def activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, bf16: bool,
                      ep_rows: tuple[int, int] | None = None) -> ActivationBytes:
     """Per micro-batch on one rank. `ep_rows`: (local experts L, GEMM rows R) under expert
     parallelism, None on one device (module note)."""
     T = batch * seq_len
     n_moe = cfg.n_layers - cfg.n_dense_layers
-    dense = block_bytes(cfg, batch, seq_len, bf16, moe=False) if cfg.n_dense_layers else 0
-    moe = block_bytes(cfg, batch, seq_len, bf16, moe=True) if n_moe else 0
-    if n_moe and ep_rows is not None:
+    dense, dense_host = block_bytes(cfg, batch, seq_len, bf16, moe=False) if cfg.n_dense_layers else (0, 0)
+    moe, moe_host = block_bytes(cfg, batch, seq_len, bf16, moe=True) if n_moe else (0, 0)
+    where = experts_kept_on(cfg)
+    if n_moe and ep_rows is not None and where != "recomputed":
         L, R = ep_rows
         E, K = cfg.moe.num_experts, cfg.moe.top_k
-        moe += expert_bytes(cfg, L, R, bf16) - expert_bytes(cfg, E, T * K, bf16)
-    return ActivationBytes(T, head_bytes(cfg, batch, seq_len, bf16), dense, moe, cfg.n_dense_layers, n_moe)
+        delta = expert_bytes(cfg, L, R, bf16) - expert_bytes(cfg, E, T * K, bf16)
+        if where == "host":
+            moe_host += delta
+        else:
+            moe += delta
+    return ActivationBytes(T, head_bytes(cfg, batch, seq_len, bf16), dense, moe, cfg.n_dense_layers, n_moe,
+                           dense_host, moe_host)

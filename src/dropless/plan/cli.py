@@ -6,7 +6,8 @@
 CONFIG is what `dropless train --config` takes: a preset name (`tiny`, `dense`) or a TOML file.
 Prints the bytes per rank of each component (model.py's note says what each counts), the peak,
 whether it fits the device memory, and, when it does not (or is within 10% of it), each knob's
-predicted peak (suggest.py). `--json` writes the same as one object.
+predicted peak (suggest.py). `--json` writes the same as one object. The host bytes that
+`model.offload` holds are a component of their own (`offload_host`), not in the device peak.
 
 `--micro-batch-tokens N` sets the tokens per micro-batch per rank (train.batch_size = N / seq_len).
 `--pipeline P` is planner-only: dropless has no pipeline parallelism; for a published recipe that
@@ -30,7 +31,7 @@ from pathlib import Path
 
 from ..config import RunConfig, load_config
 from .model import COMPONENTS, Plan, plan, with_overrides
-from .suggest import OFFLOAD_NOTE, Suggestion, has_offload, suggest
+from .suggest import Suggestion, suggest
 
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
          "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
@@ -117,12 +118,14 @@ def report(name: str, cfg: RunConfig, world: int, device: int, p: Plan, shown: l
                 f"{math.ceil(cfg.model.n_layers / p.pipeline)} blocks on {p.world} ranks)" if p.pipeline > 1 else ""),
              "", f"{'component':<13} {'bytes per rank':>18} {'GiB':>10}"]
     for c in COMPONENTS:
-        lines.append(f"{c:<13} {getattr(p, c):>18,} {_gib(getattr(p, c)):>10}")
+        note = "  host memory, not in the peak" if c == "offload_host" else ""
+        lines.append(f"{c:<13} {getattr(p, c):>18,} {_gib(getattr(p, c)):>10}{note}")
     lines.append(f"{'peak':<13} {p.peak:>18,} {_gib(p.peak):>10}")
     lines += ["", f"activations per micro-batch: head {a.head:,} B; dense block {a.dense_block:,} B x {a.n_dense}; "
               f"MoE block {a.moe_block:,} B x {a.n_moe}; {a.per_token:,.0f} B/token"
               + (f"; x {p.pipeline} micro-batches in flight" if p.pipeline > 1 else ""),
-              f"recompute: {cfg.model.recompute or 'none'}; optimizer: {cfg.train.optimizer}"]
+              f"recompute: {cfg.model.recompute or 'none'}; offload: {cfg.model.offload or 'none'}; "
+              f"optimizer: {cfg.train.optimizer}"]
     fits = p.peak <= device
     lines.append(f"device memory {device:,} B ({_gib(device)} GiB): {'fits' if fits else 'does NOT fit'} "
                  f"(peak {100 * p.peak / device:.1f}%)")
@@ -131,14 +134,14 @@ def report(name: str, cfg: RunConfig, world: int, device: int, p: Plan, shown: l
         for s in shown:
             what = " ".join(f"--set '{o}'" for o in s.overrides)
             verdict = f"refused: {s.refused}" if s.peak is None else (
-                f"{_gib(s.peak)} GiB {'fits' if s.fits else 'does not fit'}")
+                f"{_gib(s.peak)} GiB {'fits' if s.fits else 'does not fit'}"
+                + (f" (+{_gib(s.host)} GiB host)" if s.host else ""))
             lines.append(f"  {s.knob:<13} {what:<60} {verdict}")
-        if not has_offload():
-            lines.append(f"  {OFFLOAD_NOTE}")
     if combined is not None:
         what = " ".join(f"--set '{o}'" for o in combined.overrides)
         lines.append(f"  combined: {what} -> {_gib(combined.peak)} GiB "
-                     f"{'fits' if combined.fits else 'still does not fit'}")
+                     f"{'fits' if combined.fits else 'still does not fit'}"
+                     + (f" (+{_gib(combined.host)} GiB host)" if combined.host else ""))
     return "\n".join(lines)
 
 
@@ -158,8 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         data = {"config": args.config, "world": args.world, "device_memory": device, "fits": p.peak <= device,
                 "overrides": args.overrides, "plan": p.as_dict(),
-                "suggestions": [vars(s) for s in shown], "combined": vars(combined) if combined else None,
-                "offload": "planned" if has_offload() else OFFLOAD_NOTE}
+                "suggestions": [vars(s) for s in shown], "combined": vars(combined) if combined else None}
         out = Path(args.json)
         tmp = out.with_name(out.name + ".tmp")
         tmp.write_text(json.dumps(data, indent=1, default=list))

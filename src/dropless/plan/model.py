@@ -14,7 +14,8 @@ What each component is (the layout is distributed/parallelize.py's: EP, then FSD
   (`adamw_bf16`, 4 B), plus one fp32 step counter per parameter tensor.
 - activations: activations.py (measured on fake tensors), times the micro-batches alive at once: 1
   here (gradient accumulation runs each micro-batch's backward before the next forward; dropless has
-  no pipeline).
+  no pipeline). With `model.offload` what stays on the device: the offloaded scopes' saved tensors
+  are in offload_host.
 - ep_buffers: the all-to-all buffers of one MoE layer's forward (send and receive of the dispatch,
   its routing weights and counts, and the combine): transient, one layer at a time, so counted once.
   Any run of W > 1 has them, ep_size 1 included (parallelize.py gives every MoE layer an EP
@@ -27,6 +28,9 @@ What each component is (the layout is distributed/parallelize.py's: EP, then FSD
   backward) plus two of the largest block's units (the running one and the prefetched next). 0 at W=1.
 - loss_grad: the backward of the loss, the largest transient of many runs: the fp32 gradient of the
   logits [T, V] and its copy in the logits' dtype.
+- offload_host: the host memory (not the device's) that `model.offload` holds between the forward and
+  the backward of one micro-batch: what its scopes move (activations.py measures it with the rest).
+  Not in the peak. On CUDA the host copies are pinned storages of torch's caching host allocator.
 - peak: params + optimizer + activations + ep_buffers + fsdp_gather + loss_grad + the gradients that
   can be alive with all activations: all of them with gradient accumulation (grad_accum > 1: the
   second micro-batch's forward runs over the first one's gradients), else the largest unit's
@@ -49,7 +53,9 @@ from ..model import MoEModel
 from ..ops import quant_gemm
 from .activations import ActivationBytes, activation_bytes
 
-COMPONENTS = ("params", "grads", "optimizer", "activations", "ep_buffers", "fsdp_gather", "loss_grad")
+COMPONENTS = ("params", "grads", "optimizer", "activations", "ep_buffers", "fsdp_gather", "loss_grad",
+              "offload_host")
+DEVICE_COMPONENTS = COMPONENTS[:-1]  # offload_host is host memory: not in the device peak
 EXPERT_PARAMS = ("w_gate_up_EDF", "w_down_EFD")
 MOMENT_BYTES = {"adamw": 8, "adamw_bf16": 4}
 
@@ -72,6 +78,7 @@ class Plan:
     peak: int
     activation_detail: ActivationBytes
     pipeline: int = 1  # planner-only folding of a pipeline-parallel recipe (plan/cli.py); 1 in dropless
+    offload_host: int = 0  # host bytes model.offload holds (not in peak)
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -185,6 +192,7 @@ def plan(cfg: RunConfig, world: int, pipeline: int = 1) -> Plan:
     optimizer = MOMENT_BYTES[t.optimizer] * shards + 4 * el["tensors"]
     act = activation_bytes(cfg.model, t.batch_size, t.seq_len, bf16, ep_rows(cfg, tokens, world))
     activations = (act.total - act.head) * pipeline + act.head  # the head's micro-batch: once
+    offload_host = act.host_total * pipeline  # blocks only: the head has no offload scope
     ep_buf = ep_buffer_bytes(cfg, tokens, bf16, world)
     fsdp = 4 * (el["root"] + 2 * el["block"]) if world > 1 else 0
     loss_grad = tokens * cfg.model.vocab_size * (4 + (2 if bf16 else 0))
@@ -192,7 +200,7 @@ def plan(cfg: RunConfig, world: int, pipeline: int = 1) -> Plan:
     live_grads = grads if t.grad_accum > 1 else min(grads, unit_grad)
     peak = params + optimizer + activations + ep_buf + fsdp + loss_grad + live_grads
     return Plan(world, ep, tokens, bf16, params, grads, optimizer, activations, ep_buf, fsdp, loss_grad,
-                peak, act, pipeline)
+                peak, act, pipeline, offload_host)
 
 
 def with_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:

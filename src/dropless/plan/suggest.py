@@ -5,23 +5,26 @@ The knobs (config fields, so a suggestion is a `--set` the user can paste):
 - expert parallelism: a larger `parallel.ep_size` (dividing the world and the experts);
 - micro-batch: `train.batch_size` halved with `train.grad_accum` doubled (same tokens per step);
 - bf16 moments: `train.optimizer="adamw_bf16"`;
-- offload: `model.offload` is not in this tree (issue 12's offload part is built elsewhere): not
-  planned, and said so.
-A knob the config refuses (e.g. recompute with ep_size > 1, not implemented yet; bf16 moments with
-buffered EP) is listed with the refusal instead of a figure.
+- offload: `model.offload` = ["layer"], ["attn","norm","moe"], ["moe"], ["experts"], ["attn"],
+  ["norm"]: the device peak re-planned with it and the host bytes it would hold (`Suggestion.host`).
+Offload and recompute of overlapping scopes are refused by the config (config.check_offload), so a
+recompute knob drops the offload names its scopes overlap and an offload knob the recompute names
+its scopes overlap, both written in the knob's overrides: every knob listed is a valid config (e.g.
+offload ["layer"] on a config with recompute ["moe"] is `model.offload=["layer"] model.recompute=[]`).
+Recompute works with expert parallelism (a recomputed MoE layer repeats its all-to-alls). A knob the
+config still refuses (bf16 moments with buffered EP) is listed with the refusal instead of a figure.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Callable
 
-from ..config import ModelConfig, RunConfig
+from ..config import RunConfig, check_offload
 from .model import Plan, plan, with_overrides
 
 RECOMPUTE_CHOICES = (["layer"], ["attn", "norm", "moe"], ["moe"], ["attn"], ["norm"])
-OFFLOAD_NOTE = ("offload: model.offload is not in this tree (issue 12's activation offload is built "
-                "separately); not planned")
+OFFLOAD_CHOICES = (["layer"], ["attn", "norm", "moe"], ["moe"], ["experts"], ["attn"], ["norm"])
 
 
 @dataclass(frozen=True)
@@ -31,10 +34,37 @@ class Suggestion:
     peak: int | None  # None: the config refused it
     fits: bool
     refused: str = ""
+    host: int | None = None  # the host bytes model.offload holds with the knob (offload_host)
 
 
-def _recompute_value(modes: list[str]) -> str:
-    return "[" + ",".join(f'"{m}"' for m in modes) + "]"
+def _list_value(names: list[str]) -> str:
+    return "[" + ",".join(f'"{m}"' for m in names) + "]"
+
+
+def _compatible(offload: list[str], recompute: list[str]) -> bool:
+    try:
+        check_offload(offload, recompute)
+    except ValueError:
+        return False
+    return True
+
+
+def _recompute_knob(cfg: RunConfig, modes: list[str]) -> list[str]:
+    """`model.recompute=modes`, less the current offload names it overlaps (config.check_offload)."""
+    out = [f"model.recompute={_list_value(modes)}"]
+    keep = [n for n in cfg.model.offload if _compatible([n], modes)]
+    if keep != cfg.model.offload:
+        out.append(f"model.offload={_list_value(keep)}")
+    return out
+
+
+def _offload_knob(cfg: RunConfig, names: list[str]) -> list[str]:
+    """`model.offload=names`, less the current recompute modes it overlaps."""
+    out = [f"model.offload={_list_value(names)}"]
+    keep = [m for m in cfg.model.recompute if _compatible(names, [m])]
+    if keep != cfg.model.recompute:
+        out.append(f"model.recompute={_list_value(keep)}")
+    return out
 
 
 def knob_overrides(cfg: RunConfig, world: int) -> list[tuple[str, list[str]]]:
@@ -43,7 +73,10 @@ def knob_overrides(cfg: RunConfig, world: int) -> list[tuple[str, list[str]]]:
     out: list[tuple[str, list[str]]] = []
     for modes in RECOMPUTE_CHOICES:
         if sorted(modes) != sorted(cfg.model.recompute):
-            out.append(("recompute", [f"model.recompute={_recompute_value(modes)}"]))
+            out.append(("recompute", _recompute_knob(cfg, modes)))
+    for names in OFFLOAD_CHOICES:
+        if sorted(names) != sorted(cfg.model.offload):
+            out.append(("offload", _offload_knob(cfg, names)))
     E, ep = cfg.model.moe.num_experts, cfg.parallel.ep_size
     for new in range(ep + 1, world + 1):
         if world % new == 0 and E % new == 0:
@@ -57,10 +90,6 @@ def knob_overrides(cfg: RunConfig, world: int) -> list[tuple[str, list[str]]]:
     return out
 
 
-def has_offload() -> bool:
-    return any(f.name == "offload" for f in fields(ModelConfig))
-
-
 def evaluate(cfg: RunConfig, world: int, device_bytes: int, knob: str, overrides: list[str],
              planner: Callable[[RunConfig, int], Plan] = plan) -> tuple[Suggestion, RunConfig | None]:
     try:
@@ -68,22 +97,23 @@ def evaluate(cfg: RunConfig, world: int, device_bytes: int, knob: str, overrides
         p: Plan = planner(new, world)
     except ValueError as e:
         return Suggestion(knob, tuple(overrides), None, False, str(e)), None
-    return Suggestion(knob, tuple(overrides), p.peak, p.peak <= device_bytes), new
+    return Suggestion(knob, tuple(overrides), p.peak, p.peak <= device_bytes, host=p.offload_host), new
 
 
 def suggest(cfg: RunConfig, world: int, device_bytes: int,
             planner: Callable[[RunConfig, int], Plan] = plan,
             ep_world: int | None = None) -> tuple[list[Suggestion], Suggestion | None]:
     """Every single knob's predicted peak, and (when none fits alone) a greedy combination: apply the
-    knob that lowers the peak most, then re-plan, up to four knobs, until it fits. `ep_world`: the
-    ranks an EP group may span (default `world`; a pipeline stage's ranks when folded)."""
+    knob that lowers the peak most, then re-plan, up to four knobs, until it fits or no knob lowers
+    it. The combination's overrides are the last value of each field. `ep_world`: the ranks an EP
+    group may span (default `world`; a pipeline stage's ranks when folded)."""
     ep_world = ep_world or world
     singles = []
     for knob, over in knob_overrides(cfg, ep_world):
         s, _ = evaluate(cfg, world, device_bytes, knob, over, planner=planner)
         singles.append(s)
     # micro-batch and EP size: listed up to the first that fits (the largest micro-batch, the smallest
-    # EP group); every recompute mode is listed (they cost different amounts of time)
+    # EP group); every recompute and offload choice is listed (they cost different amounts of time)
     shown, done = [], set()
     for s in singles:
         if s.knob in done:
@@ -93,18 +123,21 @@ def suggest(cfg: RunConfig, world: int, device_bytes: int,
             done.add(s.knob)
     if any(s.fits for s in singles):
         return shown, None
-    current, applied = cfg, []
+    current, peak, applied = cfg, planner(cfg, world).peak, {}
     for _ in range(4):
         best = None
         for knob, over in knob_overrides(current, ep_world):
             s, new = evaluate(current, world, device_bytes, knob, over, planner=planner)
-            if s.peak is not None and (best is None or s.peak < best[0].peak):
+            if s.peak is not None and s.peak < peak and (best is None or s.peak < best[0].peak):
                 best = (s, new)
         if best is None:
             break
-        applied += list(best[0].overrides)
-        current = best[1]
+        for o in best[0].overrides:  # a later value of a field replaces the earlier one
+            applied.pop(o.split("=", 1)[0], None)
+            applied[o.split("=", 1)[0]] = o
+        current, peak = best[1], best[0].peak
         if best[0].fits:
             break
-    combined = evaluate(cfg, world, device_bytes, "combined", applied, planner=planner)[0] if applied else None
+    over = list(applied.values())
+    combined = evaluate(cfg, world, device_bytes, "combined", over, planner=planner)[0] if over else None
     return shown, combined

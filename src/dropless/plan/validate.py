@@ -1,8 +1,9 @@
 """`python -m dropless.plan.validate`: the planner's prediction beside bytes measured from real
 tensors, on the CPU, at world 1, 2 and 4 (FSDP2 + EP over gloo, spawned processes).
 
-    python -m dropless.plan.validate [--cases tiny,small,medium] [--worlds 1,2,4] [--steps 2]
-                                     [--dtype bf16|fp32] [--set a.b=value ...] [--no-ep] [--json FILE]
+    python -m dropless.plan.validate [--variants grid,offload,recompute_ep] [--cases tiny,small,medium]
+                                     [--worlds 1,2,4] [--steps 2] [--dtype bf16|fp32]
+                                     [--set a.b=value ...] [--no-ep] [--json FILE]
 
 A benchmark, not a test (minutes of CPU). Each case builds the model and optimizer exactly as the
 trainer does (MoEModel seeded on the CPU, distributed/parallelize.py's EP then FSDP2, train/optim.py)
@@ -14,7 +15,11 @@ counted otherwise than the planner counts them:
 - activations: every storage the forward created that is still alive after it (a dispatch mode sees
   each op's outputs; weak references tell which survived), less parameter and buffer storages
   (FSDP2's root keeps its gathered parameters through the forward): what the graph and the model's
-  output keep for the backward. Not the planner's meta count: no saved-tensor hooks, real kernels;
+  output keep for the backward. Not the planner's meta count: no saved-tensor hooks, real kernels.
+  With `model.offload` the host copies (on the CPU, storages like the others) are left out: they
+  are the next component, and the activations are what stays on the device;
+- offload_host: the bytes `model.offloader.counter` says the forward moved to host (0 without
+  offload);
 - ep_buffers: the storages every all-to-all of one MoE layer's forward allocates and sends
   (distributed/comm.py `_exchange`: its input and its output), averaged over the layers.
 The busiest rank's figure (max over ranks) is compared with the planner's (`plan.model.plan`) for
@@ -28,8 +33,16 @@ land on one or two EP ranks, far fewer than independent choices: the de-dup traf
 about that generator than about training). World 2 runs EP 2 in buffered mode; world 4 runs EP 2 x 2 expert-data-parallel
 in exact mode (FSDP shards each expert slice over 2 ranks).
 `--no-ep` keeps ep_size 1 at every world (FSDP only; every MoE layer still gets an EP dispatcher
-over a group of one); `--set` adds overrides to every case (e.g. a recompute mode, which the config
-refuses together with EP).
+over a group of one); `--set` adds overrides to every case (e.g. a recompute mode). `--cases`,
+`--worlds`, `--set` and `--no-ep` shape the `grid` variant only.
+
+Variants (`--variants`, default all three):
+- `grid`: every case at every world, as above;
+- `offload`: fixed runs with `model.offload` (OFFLOAD_RUNS): the activations are what stays on the
+  device, `offload_host` the bytes moved (the offloader's counter against the planner's);
+- `recompute_ep`: fixed runs with recompute under expert parallelism (RECOMPUTE_EP_RUNS: world 2 EP 2
+  buffered and world 4 EP 2 exact, recompute `layer` and `moe`): a recomputed MoE layer keeps no
+  dispatched rows (it repeats its all-to-alls in the backward).
 """
 
 from __future__ import annotations
@@ -64,7 +77,23 @@ CASES = {
 BENCH_SHAPE = ["model.n_layers=2", "model.n_dense_layers=1", "model.d_ff_dense=1024"]
 WORLD_LAYOUT = {1: [], 2: ["parallel.ep_size=2", "parallel.ep_mode=buffered"],
                 4: ["parallel.ep_size=2", "parallel.ep_mode=exact"]}
-MEASURED = ("params", "grads", "optimizer", "activations", "ep_buffers")
+MEASURED = ("params", "grads", "optimizer", "activations", "ep_buffers", "offload_host")
+# (case, world, overrides on top of the case's layout at that world)
+OFFLOAD_RUNS = [
+    ("tiny", 1, ('model.offload=["layer"]',)),
+    ("tiny", 1, ('model.offload=["attn","norm","moe"]',)),
+    ("tiny", 1, ('model.offload=["experts"]',)),
+    ("tiny", 1, ('model.offload=["attn","norm"]', 'model.recompute=["moe"]')),
+    ("small", 1, ('model.offload=["moe"]',)),
+    ("tiny", 2, ('model.offload=["moe"]',)),  # EP 2 buffered: the received rows go to host
+]
+RECOMPUTE_EP_RUNS = [
+    ("tiny", 2, ('model.recompute=["layer"]',)),
+    ("tiny", 2, ('model.recompute=["moe"]',)),
+    ("small", 2, ('model.recompute=["moe"]',)),
+    ("tiny", 4, ('model.recompute=["moe"]',)),
+]
+VARIANTS = ("grid", "offload", "recompute_ep")
 
 
 def case_config(case: str, world: int, dtype: str, extra: tuple[str, ...] = (), ep: bool = True) -> RunConfig:
@@ -113,6 +142,7 @@ def measure(cfg: RunConfig, steps: int, distributed: bool) -> dict[str, int]:
     """One rank's measured bytes (module note); the trainer's build and step, on random tokens."""
     from ..distributed import comm
     from ..distributed import parallelize as par
+    from ..layers import offload
     from ..model import MoEModel
     from ..train.optim import build_optimizer
 
@@ -138,6 +168,15 @@ def measure(cfg: RunConfig, steps: int, distributed: bool) -> dict[str, int]:
         return y
 
     comm._exchange = exchange
+    host_copies: set[int] = set()  # the offload's host storages: not device activations
+    real_copy = offload._HostCopy
+
+    class HostCopy(real_copy):  # type: ignore[misc, valid-type]
+        def __init__(self, t: torch.Tensor, stream: Any) -> None:
+            super().__init__(t, stream)
+            host_copies.add(self.host.data_ptr())
+
+    offload._HostCopy = HostCopy
     gen = torch.Generator().manual_seed(t.seed + (dist.get_rank() if distributed else 0))
     try:
         for _ in range(steps):
@@ -151,7 +190,9 @@ def measure(cfg: RunConfig, steps: int, distributed: bool) -> dict[str, int]:
             gc.collect()
             constants = {_local(q).untyped_storage().data_ptr()
                          for q in [*model.parameters(), *model.buffers()]}
-            out["activations"] = alive.alive_bytes(constants)
+            out["activations"] = alive.alive_bytes(constants | host_copies)
+            host_copies.clear()
+            out["offload_host"] = model.offloader.counter.take().bytes_to_host if model.offloader else 0
             del alive
             n_moe = cfg.model.n_layers - cfg.model.n_dense_layers
             out["ep_buffers"] = sum(sent) // n_moe if sent and n_moe else 0
@@ -166,6 +207,7 @@ def measure(cfg: RunConfig, steps: int, distributed: bool) -> dict[str, int]:
                                                if isinstance(v, torch.Tensor)])
     finally:
         comm._exchange = real_exchange
+        offload._HostCopy = real_copy
     return out
 
 
@@ -200,7 +242,7 @@ def rows_for(case: str, world: int, dtype: str, steps: int, extra: tuple[str, ..
     for comp in MEASURED:
         m, p = meas[comp], pred[comp]
         ratio = p / m if m else (1.0 if p == 0 else float("inf"))
-        rows.append({"case": case, "world": world, "ep_size": cfg.parallel.ep_size,
+        rows.append({"case": case, "world": world, "set": " ".join(extra), "ep_size": cfg.parallel.ep_size,
                      "ep_mode": cfg.parallel.ep_mode, "dtype": dtype, "component": comp,
                      "predicted": p, "measured": m, "ratio": ratio, "ok": 0.9 <= ratio <= 1.1})
     return rows
@@ -208,6 +250,7 @@ def rows_for(case: str, world: int, dtype: str, steps: int, extra: tuple[str, ..
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dropless.plan.validate", description=__doc__.split("\n")[0])
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="grid, offload, recompute_ep (module note)")
     ap.add_argument("--cases", default="tiny,small,medium")
     ap.add_argument("--worlds", default="1,2,4")
     ap.add_argument("--steps", type=int, default=2)
@@ -218,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     try:
+        variants = args.variants.split(",")
+        for v in variants:
+            if v not in VARIANTS:
+                raise ValueError(f"--variants: {v!r} is not one of {', '.join(VARIANTS)}")
         cases = args.cases.split(",")
         worlds = [int(w) for w in args.worlds.split(",")]
         for c in cases:
@@ -228,21 +275,28 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--worlds: {w} is not one of {', '.join(map(str, WORLD_LAYOUT))}")
         if args.steps < 1:
             raise ValueError(f"--steps {args.steps}: must be >= 1")
-        for c in cases:
-            for w in worlds:
-                case_config(c, w, args.dtype, tuple(args.overrides), not args.no_ep)  # refuse early
+        runs: list[tuple[str, int, tuple[str, ...], bool]] = []
+        if "grid" in variants:
+            runs += [(c, w, tuple(args.overrides), not args.no_ep) for c in cases for w in worlds]
+        if "offload" in variants:
+            runs += [(c, w, over, True) for c, w, over in OFFLOAD_RUNS]
+        if "recompute_ep" in variants:
+            runs += [(c, w, over, True) for c, w, over in RECOMPUTE_EP_RUNS]
+        for c, w, over, ep in runs:
+            case_config(c, w, args.dtype, over, ep)  # refuse early
     except ValueError as e:
         print(f"dropless plan validate: error: {e}", file=sys.stderr)
         return 2
     from tqdm import tqdm
     rows: list[dict[str, Any]] = []
-    for case, world in tqdm([(c, w) for c in cases for w in worlds], desc="plan validate", file=sys.stderr):
-        rows += rows_for(case, world, args.dtype, args.steps, tuple(args.overrides), not args.no_ep)
+    for case, world, over, ep in tqdm(runs, desc="plan validate", file=sys.stderr):
+        rows += rows_for(case, world, args.dtype, args.steps, over, ep)
     print(f"{'case':<7} {'world':>5} {'ep':>3} {'mode':<8} {'component':<12} {'predicted B':>14} "
-          f"{'measured B':>14} {'ratio':>7}")
+          f"{'measured B':>14} {'ratio':>7}  set")
     for r in rows:
         print(f"{r['case']:<7} {r['world']:>5} {r['ep_size']:>3} {r['ep_mode']:<8} {r['component']:<12} "
-              f"{r['predicted']:>14,} {r['measured']:>14,} {r['ratio']:>7.4f}{'' if r['ok'] else '  OUTSIDE 10%'}")
+              f"{r['predicted']:>14,} {r['measured']:>14,} {r['ratio']:>7.4f}  {r['set']}"
+              f"{'' if r['ok'] else '  OUTSIDE 10%'}")
     bad = [r for r in rows if not r["ok"]]
     print(f"{len(rows) - len(bad)} of {len(rows)} components within 10%")
     if args.json:

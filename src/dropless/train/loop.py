@@ -54,6 +54,7 @@ from .nonfinite import NonFiniteGuard
 from .optim import build_optimizer, step_unless
 from .replay_data import ReplayData
 from .resume import check_resume_config, report_resume
+from .ep_buffers import AdaptiveBuffers
 from .overflow import OverflowGuard
 from .schedule import lr_at
 from .sinks import JsonlLog, Progress, TensorBoard
@@ -130,8 +131,11 @@ class Trainer:
         if self.distributed and p.ep_mode == "buffered" and self.model.moe_layers():
             capacity = self.model.moe_layers()[0].dispatcher.capacity(p.max_tokens_per_rank,
                                                                      cfg.model.moe.top_k)
+            adaptive = (AdaptiveBuffers([m.dispatcher for m in self.model.moe_layers()], p.max_tokens_per_rank,
+                                        cfg.model.moe.top_k, reduce, self.device)
+                        if p.ragged_buffer_factor == "auto" else None)
             self.overflow = OverflowGuard(self.optimizer, reduce, capacity, p.ragged_buffer_factor,
-                                          p.overflow_check_every)
+                                          p.overflow_check_every, p.overflow_policy, adaptive)
         self.nonfinite = NonFiniteGuard(t.max_nonfinite_steps, reduce, device=self.model.embed.weight.device)
         self.start_step = 0
         # routing replay: the record's sequences and expert ids replace the data split's batches
@@ -270,7 +274,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         guard = self.overflow
-        retry = guard is not None and self.cfg.parallel.retry_on_overflow
+        retry = guard is not None and self.cfg.parallel.overflow_policy == "retry"
         snap = self.health.snapshot() if retry else None
         sums, dropped, demand = self._forward_backward(step, log_step)
         invalid = None
@@ -284,6 +288,7 @@ class Trainer:
                 guard.retried += 1
                 with par.worst_case_dispatch(self.model):
                     sums, _, _ = self._forward_backward(step, log_step)
+                guard.after_retry(step)
         if self.distributed:
             grad_norm = par.finish_grads_(self.model, self.expert_names, self.meshes.mesh.size(1),
                                           t.grad_clip, self.meshes.dp_group)
@@ -326,6 +331,7 @@ class Trainer:
             (loss / t.grad_accum).backward()
             self.health.add_micro(out)
             if self.overflow is not None:
+                self.overflow.observe(out.stats)
                 d, m = OverflowGuard.count(out.stats)
                 dropped, demand = dropped + d, torch.maximum(demand, m)
             sums.loss += loss.detach().float() / t.grad_accum
@@ -401,7 +407,9 @@ class Trainer:
                     say(f"step {step + 1}: val_loss {val_loss:.4f} nats/token")
                 save = (step + 1) % t.ckpt_every == 0 or last
                 if self.overflow is not None and (save or (step + 1) % self.overflow.check_every == 0):
-                    self.overflow.check(step)  # before a checkpoint, so none covers a skipped step unseen
+                    ep_row = self.overflow.check(step)  # before a checkpoint: none covers a skipped step unseen
+                    if self.is_main:
+                        self.metrics.write(ep_row)
                 if save:
                     self.nonfinite.read()
                     self.nonfinite.stop_if_stuck(step)  # a run that keeps failing writes no more

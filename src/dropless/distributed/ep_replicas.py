@@ -1,0 +1,194 @@
+"""Hot-expert replication for expert parallelism, at the layer level (issue 15; not in the trainer yet).
+
+Legend: P ranks, E experts, L = E/P own experts per rank, S spare slots per rank, T tokens, K slots.
+    virtual slot v in [0, P*(L+S)): rank v // (L+S), local slot v % (L+S); a rank's slots are its L
+    own experts (global r*L + l at slot l), then its S spare slots
+
+Under skewed routing the rank that owns a hot expert is every step's straggler. Replication gives the
+R busiest experts (global counts) a copy in a spare slot on another rank and sends part of each one's
+pairs there:
+- Placement (`plan_replicas`, host, at the caller's interval): for each of the R busiest experts,
+  hottest first, the least-loaded other rank with a free spare slot gets a copy, and the fraction of
+  the expert's pairs sent to it equalises the two ranks' loads as far as the expert's own load allows
+  (an even split cannot: measured under Zipf 1.0 it leaves the busiest rank at 1.2-1.3x the mean).
+- Routing (`virtual_ids`, device, no host read): a pair of token t for a replicated expert goes to
+  the copy when frac(t * golden ratio) < the copy's fraction (a low-discrepancy split of each
+  rank's tokens), else to the owner. The EP dispatcher then runs over the P*(L+S) virtual slots,
+  unchanged: the GEMM sees L+S groups.
+- Weights (`apply_placement`): the owner broadcasts the expert's weights and, given an optimizer, its
+  AdamW moments into the copy's slot; slots without a copy are zeroed. Reported: bytes and seconds.
+- Gradients (`sync_replica_grads`, after the backward): per copy, one all-reduce of the owner's and
+  the copy's gradient (the other ranks add zeros); both slots get the sum, which is the expert's full
+  gradient, so with identical weights and moments the optimizer keeps the copies bit-identical.
+Numerics: an expert's pairs are split over two GEMMs and its gradient summed in two parts, so
+outputs and gradients match the unreplicated layer at the EP noise floor (tolerances.EP_REDUCED).
+The layer's `detailed_stats` per-expert output sums use the dispatcher's first_expert/num_local and
+are not supported with replicas; neither are the trainer, FSDP over the expert weights and
+checkpoints (the spare slots are not in the [E, ...] checkpoint layout).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from ..layers.experts import ExpertBatch
+from ..layers.moe import MoELayer
+from ..layers.router import RoutingDecision
+from .ep import EPDispatcher, EPMeta
+
+GOLDEN = (math.sqrt(5) - 1) / 2
+WEIGHTS = ("w_gate_up_EDF", "w_down_EFD")
+
+
+@dataclass(frozen=True)
+class Replica:
+    expert: int
+    rank: int  # where the copy lives
+    slot: int  # its spare slot there, in [0, S)
+    fraction: float  # of the expert's pairs sent to the copy
+
+
+def plan_replicas(counts_E: list[int], num_replicas: int, ep_size: int, spare: int) -> tuple[Replica, ...]:
+    """The R busiest experts' copies, placed greedily (module note); deterministic in the counts."""
+    E = len(counts_E)
+    L = E // ep_size
+    load = [float(sum(counts_E[r * L:(r + 1) * L])) for r in range(ep_size)]
+    free = [spare] * ep_size
+    out = []
+    for e in sorted(range(E), key=lambda i: (-counts_E[i], i))[:num_replicas]:
+        owner, c = e // L, float(counts_E[e])
+        cand = [r for r in range(ep_size) if r != owner and free[r] > 0]
+        if not cand or c == 0:
+            continue
+        r = min(cand, key=lambda i: (load[i], i))
+        moved = min(c, max(0.0, (load[owner] - load[r]) / 2))
+        out.append(Replica(e, r, spare - free[r], moved / c))
+        free[r] -= 1
+        load[owner] -= moved
+        load[r] += moved
+    return tuple(out)
+
+
+def slot_tables(replicas: tuple[Replica, ...], num_experts: int, ep_size: int, spare: int,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(owner slot per expert, copy slot per expert (= owner without a copy), fraction per expert)."""
+    L = num_experts // ep_size
+    e = torch.arange(num_experts)
+    owner = (e // L) * (L + spare) + e % L
+    copy, frac = owner.clone(), torch.zeros(num_experts)
+    for rep in replicas:
+        copy[rep.expert] = rep.rank * (L + spare) + L + rep.slot
+        frac[rep.expert] = rep.fraction
+    return owner.to(device), copy.to(device), frac.to(device)
+
+
+def virtual_ids(ids_TK: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Each pair's virtual slot: the copy for a `fraction` of each replicated expert's tokens."""
+    owner, copy, frac = tables
+    T = ids_TK.shape[0]
+    u_T = torch.frac(torch.arange(T, device=ids_TK.device, dtype=torch.float64) * GOLDEN).float()
+    to_copy = u_T[:, None] < frac[ids_TK]
+    return torch.where(to_copy, copy[ids_TK], owner[ids_TK])
+
+
+class ReplicatedDispatcher:
+    """The dispatcher contract over virtual slots (an EPDispatcher over P*(L+S) of them)."""
+
+    def __init__(self, inner: EPDispatcher, num_experts: int, spare: int) -> None:
+        self.inner, self.num_experts, self.spare = inner, num_experts, spare
+        self.replicas: tuple[Replica, ...] = ()
+        self.tables = slot_tables((), num_experts, inner.ep_size, spare, torch.device("cpu"))
+
+    def set_replicas(self, replicas: tuple[Replica, ...], device: torch.device) -> None:
+        self.replicas = replicas
+        self.tables = slot_tables(replicas, self.num_experts, self.inner.ep_size, self.spare, device)
+
+    def dispatch(self, x_TD: torch.Tensor, decision: RoutingDecision) -> tuple[ExpertBatch, EPMeta]:
+        ids = virtual_ids(decision.ids_TK, self.tables)
+        return self.inner.dispatch(x_TD, replace(decision, ids_TK=ids))
+
+    def combine(self, y_RD: torch.Tensor, meta: EPMeta) -> torch.Tensor:
+        return self.inner.combine(y_RD, meta)
+
+
+def replicate_layer(layer: MoELayer, group: ProcessGroup | None, spare: int) -> MoELayer:
+    """Give an EP-sharded layer (`shard_moe_layer`) S zeroed spare expert slots and a replicating
+    dispatcher (no copies until `apply_placement`)."""
+    inner = layer.dispatcher
+    if not isinstance(inner, EPDispatcher):
+        raise ValueError("replicate_layer: shard the layer with shard_moe_layer first")
+    if spare < 1:
+        raise ValueError(f"spare={spare}: must be >= 1")
+    P, L, E = inner.ep_size, inner.num_local, inner.num_experts
+    virt = object.__new__(EPDispatcher)
+    virt.__dict__.update(inner.__dict__, num_experts=P * (L + spare), num_local=L + spare)
+    with torch.no_grad():
+        for name in WEIGHTS:
+            w = getattr(layer.experts, name)
+            grown = torch.cat([w.detach(), w.new_zeros((spare, *w.shape[1:]))])
+            setattr(layer.experts, name, nn.Parameter(grown, requires_grad=w.requires_grad))
+    layer.dispatcher = ReplicatedDispatcher(virt, E, spare)
+    return layer
+
+
+def _owner_src(group: ProcessGroup | None, rank: int) -> int:
+    return dist.get_global_rank(group, rank) if group is not None else rank
+
+
+@torch.no_grad()
+def apply_placement(layer: MoELayer, replicas: tuple[Replica, ...], group: ProcessGroup | None,
+                    optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """Install `replicas` (the same on every rank): owners broadcast weights (and AdamW moments)
+    into the copies' slots, the other spare slots are zeroed. Collective. Returns the cost."""
+    disp: ReplicatedDispatcher = layer.dispatcher
+    P, L, S = disp.inner.ep_size, disp.inner.num_local - disp.spare, disp.spare
+    rank = dist.get_rank(group)
+    start, nbytes = time.perf_counter(), 0
+    for name in WEIGHTS:
+        p = getattr(layer.experts, name)
+        tensors = [p.data]
+        if optimizer is not None and p in optimizer.state:
+            tensors += [optimizer.state[p][k] for k in ("exp_avg", "exp_avg_sq") if k in optimizer.state[p]]
+        for t in tensors:
+            t[L:].zero_()
+            for rep in replicas:
+                owner = rep.expert // L
+                buf = t[rep.expert % L].clone() if rank == owner else torch.empty_like(t[0])
+                dist.broadcast(buf, _owner_src(group, owner), group=group)
+                nbytes += buf.numel() * buf.element_size()
+                if rank == rep.rank:
+                    t[L + rep.slot].copy_(buf)
+    disp.set_replicas(replicas, layer.experts.w_gate_up_EDF.device)
+    return {"replicas": [(r.expert, r.rank, round(r.fraction, 4)) for r in replicas],
+            "bytes_broadcast": nbytes, "seconds": time.perf_counter() - start}
+
+
+@torch.no_grad()
+def sync_replica_grads(layer: MoELayer, group: ProcessGroup | None) -> None:
+    """After the backward: owner and copy both get the sum of their gradients. Collective."""
+    disp: ReplicatedDispatcher = layer.dispatcher
+    L = disp.inner.num_local - disp.spare
+    rank = dist.get_rank(group)
+    for name in WEIGHTS:
+        g = getattr(layer.experts, name).grad
+        for rep in disp.replicas:
+            owner = rep.expert // L
+            if rank == owner:
+                buf = g[rep.expert % L].clone()
+            elif rank == rep.rank:
+                buf = g[L + rep.slot].clone()
+            else:
+                buf = torch.zeros_like(g[0])
+            dist.all_reduce(buf, group=group)
+            if rank == owner:
+                g[rep.expert % L].copy_(buf)
+            elif rank == rep.rank:
+                g[L + rep.slot].copy_(buf)

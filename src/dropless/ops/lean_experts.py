@@ -1,0 +1,171 @@
+"""Lean routed experts: the expert MLP as one autograd Function that keeps no [R, D] or [R, F] tensor.
+
+Legend: T tokens, R routed rows in expert order (R ~ T*K), E experts, D model width, F expert width
+(W = 2F for gated activations, F otherwise).
+    x_TD       the tokens' rows (the layer's input: the caller keeps it anyway)
+    src_R      token of each row, T = the zero padding row (`RoutingPlan.src_R`)
+    x_RD       the rows in expert order, x_RD[r] = x_TD[src_R[r]]
+    h_RW       pre-activation, x_RD @ w1 per group ([gate | up] for SwiGLU)
+    a_RF       weighted activation, act(h_RW) * w_R[r] (the routing weight folded in, layers/dispatch.py)
+    y_RD       the rows' outputs, a_RF @ w2 per group (not yet summed per token)
+
+What the autograd graph of the plain composition (`lean_experts_reference`, i.e. grouped GEMM ->
+weighted activation -> grouped GEMM with autograd recording each op) keeps for the backward: x_RD
+(GEMM 1's input, T*K*D), h (the activation's input), silu(gate) (the fused SwiGLU keeps it), a
+(GEMM 2's input): at medium bf16 about 48 KB per token of the 56 KB the layer kept. This Function
+keeps h, the routing weights, the indices and a reference to x_TD (the floor of the fastest
+published MoE kernels: input and pre-activation), and in the backward
+    re-gathers x_RD from x_TD by src_R (a gather: cheap beside the GEMMs),
+    recomputes the activation from h (silu and two multiplies, the forward's own ops on the same
+    strided halves: the same bits),
+    dW2 = grouped wgrad(a, dy);  da = dy @ W2^T per group;
+    dh, dw_R from the activation's backward (the routing-weight gradient is the row dot product
+    <da * up, silu(gate)>: it needs no expert output);
+    dW1 = grouped wgrad(x_RD, dh);  dx_RD = dh @ W1^T per group.
+dx_RD is returned as the gradient of the forward's x_RD, so the dispatcher's permute backward sums
+it into dx_TD as before (a fixed-order gather-sum, no scatter-add). The products are those torch's
+autograd runs for the plain composition on the same operands (ops/grouped_gemm.py
+`grouped_dgrad`/`grouped_wgrad`), so on a backend where the forward kernels are the same the
+outputs and every gradient are the same bits as the reference (tests/test_lean_experts.py).
+
+Without a `RowSource` (expert parallelism: the rows arrive from an all-to-all and no token rows of
+this rank hold them) the Function keeps x_RD itself, the received buffer, and still drops the
+activation. Activations other than plain SwiGLU (geglu, relu2, clamp, softcap) recompute theirs
+under `torch.enable_grad()` in the backward and differentiate it with autograd: the forward's ops
+again, so the same values. Backends: "grouped_mm" and "loop"; the capacity layout (padded_bmm) and
+the low-precision recipes keep the plain composition (layers/experts.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import grouped_gemm
+from .activations import activation, swiglu_backward, swiglu_forward, weighted_swiglu
+
+BACKENDS = ("grouped_mm", "loop")
+
+
+@dataclass(frozen=True)
+class RowSource:
+    """Where a batch's rows come from, so the experts can re-gather them in the backward:
+    x_RD[r] = x_TD[src_R[r]], where src_R[r] = T reads a zero row when `padded` (padding rows)."""
+
+    x_TD: torch.Tensor
+    src_R: torch.Tensor
+    padded: bool
+
+
+def _gemm(x_RD: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor, backend: str) -> torch.Tensor:
+    if backend == "grouped_mm":
+        return grouped_gemm.grouped_mm(x_RD, w_EDF, offsets_E)
+    return grouped_gemm.grouped_mm_reference(x_RD, w_EDF, offsets_E)
+
+
+def _fused(kind: str, clamp: float | None, softcap: float | None) -> bool:
+    return kind == "swiglu" and clamp is None and softcap is None
+
+
+def _act(h_RW: torch.Tensor, w_R: torch.Tensor | None, kind: str, clamp: float | None,
+         softcap: float | None) -> torch.Tensor:
+    """The weighted activation of the unfused kinds: the ops of layers/experts.py's plain path."""
+    a_RF = activation(h_RW, kind, clamp, softcap)
+    return a_RF if w_R is None else a_RF * w_R.to(a_RF.dtype).unsqueeze(-1)
+
+
+def regather(source: RowSource) -> torch.Tensor:
+    """x_RD from its source: `permute.permute`'s forward (zero row appended when padded)."""
+    x_TD = source.x_TD
+    if source.padded:
+        x_TD = torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])])
+    return x_TD.index_select(0, source.src_R)
+
+
+class _LeanExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_RD: torch.Tensor, x_TD: torch.Tensor | None, src_R: torch.Tensor | None,
+                padded: bool, w1_EDW: torch.Tensor, w2_EFD: torch.Tensor, offsets_E: torch.Tensor,
+                w_R: torch.Tensor | None, kind: str, clamp: float | None, softcap: float | None,
+                backend: str) -> torch.Tensor:
+        h_RW = _gemm(x_RD, w1_EDW, offsets_E, backend)
+        if _fused(kind, clamp, softcap):
+            a_RF, _ = swiglu_forward(h_RW, w_R)
+        else:
+            a_RF = _act(h_RW, w_R, kind, clamp, softcap)
+        y_RD = _gemm(a_RF, w2_EFD, offsets_E, backend)
+        # x_TD (a reference to the caller's tensor) instead of the [R, D] rows when there is a source
+        ctx.save_for_backward(x_RD if x_TD is None else x_TD, src_R, w1_EDW, w2_EFD, offsets_E, h_RW, w_R)
+        ctx.spec = (kind, clamp, softcap, backend, padded, x_RD.dtype)
+        ctx.w_dtype = None if w_R is None else w_R.dtype
+        return y_RD
+
+    @staticmethod
+    def backward(ctx, dy_RD: torch.Tensor):
+        x_saved, src_R, w1, w2, offsets_E, h_RW, w_R = ctx.saved_tensors
+        kind, clamp, softcap, backend, padded, x_dtype = ctx.spec
+        need = ctx.needs_input_grad
+        need_x, need_w1, need_w2, need_wr = need[0], need[4], need[5], need[7]
+        dy_RD = dy_RD.contiguous()  # grouped_mm refuses an expanded gradient (grouped_gemm.py)
+        fused = _fused(kind, clamp, softcap)
+        if fused:
+            a_RF, s_RF = swiglu_forward(h_RW, w_R)
+        else:
+            with torch.enable_grad():
+                h_ = h_RW.detach().requires_grad_(True)
+                wr_ = None if w_R is None else w_R.detach().requires_grad_(need_wr)
+                a_RF = _act(h_, wr_, kind, clamp, softcap)
+        dw2 = grouped_gemm.grouped_wgrad(a_RF.detach(), dy_RD, offsets_E, backend) if need_w2 else None
+        da_RF = grouped_gemm.grouped_dgrad(dy_RD, w2, offsets_E, backend)
+        dw_R = None
+        if fused:
+            del a_RF
+            dh_RW, dw_R = swiglu_backward(da_RF, h_RW, s_RF, w_R, need_wr, ctx.w_dtype)
+            del s_RF
+        else:
+            inputs = [h_] + ([wr_] if wr_ is not None and need_wr else [])
+            grads = torch.autograd.grad(a_RF, inputs, da_RF)
+            dh_RW = grads[0]
+            dw_R = grads[1] if len(grads) > 1 else None
+            del a_RF, h_, wr_
+        del da_RF
+        dw1 = None
+        if need_w1:
+            x_RD = x_saved if src_R is None else regather(RowSource(x_saved, src_R, padded)).to(x_dtype)
+            dw1 = grouped_gemm.grouped_wgrad(x_RD, dh_RW, offsets_E, backend)
+            del x_RD
+        dx_RD = grouped_gemm.grouped_dgrad(dh_RW, w1, offsets_E, backend) if need_x else None
+        return dx_RD, None, None, None, dw1, dw2, None, dw_R, None, None, None, None
+
+
+def lean_experts(x_RD: torch.Tensor, w1_EDW: torch.Tensor, w2_EFD: torch.Tensor, offsets_E: torch.Tensor,
+                 w_R: torch.Tensor | None = None, source: RowSource | None = None, kind: str = "swiglu",
+                 clamp: float | None = None, softcap: float | None = None,
+                 backend: str = "grouped_mm") -> torch.Tensor:
+    """y_RD = act(x_RD @ w1 per group) * w_R @ w2 per group, keeping only h (module note).
+
+    `x_RD` carries the gradient (give the permuted rows, cast to the compute dtype); `source` says
+    how to re-gather them in the backward (None: x_RD itself is kept)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: the lean experts run on {', '.join(BACKENDS)}")
+    if source is None:
+        return _LeanExperts.apply(x_RD, None, None, False, w1_EDW, w2_EFD, offsets_E, w_R, kind, clamp,
+                                  softcap, backend)
+    return _LeanExperts.apply(x_RD, source.x_TD, source.src_R, source.padded, w1_EDW, w2_EFD, offsets_E,
+                              w_R, kind, clamp, softcap, backend)
+
+
+def lean_experts_reference(x_RD: torch.Tensor, w1_EDW: torch.Tensor, w2_EFD: torch.Tensor,
+                           offsets_E: torch.Tensor, w_R: torch.Tensor | None = None,
+                           source: RowSource | None = None, kind: str = "swiglu",
+                           clamp: float | None = None, softcap: float | None = None,
+                           backend: str = "grouped_mm") -> torch.Tensor:
+    """The plain composition `lean_experts` replaces (autograd keeps every intermediate); `source`
+    is ignored (the rows are the gradient path either way)."""
+    h_RW = _gemm(x_RD, w1_EDW, offsets_E, backend)
+    if _fused(kind, clamp, softcap):
+        a_RF = weighted_swiglu(h_RW, w_R)
+    else:
+        a_RF = _act(h_RW, w_R, kind, clamp, softcap)
+    return _gemm(a_RF, w2_EFD, offsets_E, backend)
