@@ -41,6 +41,8 @@ from .moe_config import (  # noqa: F401  (re-exported: the MoE part of the tree)
     MoEConfig,
 )
 
+from .attn_config import ATTENTIONS, YarnConfig, check_attention  # noqa: F401  (re-exported)
+
 EP_MODES = ("exact", "buffered")
 ON_OVERFLOW = ("skip", "retry", "spill")  # buffered EP: what happens to pairs that did not fit
 
@@ -163,11 +165,20 @@ class ModelConfig:
     head_dim: int = 0  # width of one head (0 = d_model / n_heads; Qwen3 sets it explicitly)
     qk_norm: bool = False  # RMSNorm of each query and key head before the rotary (Qwen3)
     attn_bias: bool = False  # biases on the q, k, v and output projections
+    # "standard": multi-head / grouped-query attention (model.py); "mla": DeepSeek's multi-head latent
+    # attention (layers/mla.py), where head_dim is the query/key head width (its nope + rope parts)
+    attention: str = "standard"
+    q_lora_rank: int = 0  # mla: rank of the query projection (0 = one full-rank query projection)
+    kv_lora_rank: int = 0  # mla: width of the key/value latent
+    rope_head_dim: int = 0  # mla: the rotary part of each query/key head (one key part for all heads)
+    v_head_dim: int = 0  # mla: width of a value head (0 = head_dim)
+    rope_interleave: bool = False  # mla: rotary dims stored as interleaved pairs (DeepSeek's layout)
     max_seq_len: int = 256
     n_dense_layers: int = 1
     d_ff_dense: int = 512  # hidden width of the dense MLP layers
     tie_embeddings: bool = True
     rope_theta: float = 10000.0
+    rope_yarn: YarnConfig = field(default_factory=YarnConfig)  # YaRN scaling (off by default)
     norm_eps: float = 1e-6
     init_std: float = 0.02
     moe: MoEConfig = field(default_factory=MoEConfig)
@@ -179,6 +190,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):
             self.moe = from_dict(MoEConfig, self.moe, "model.moe.")
+        if isinstance(self.rope_yarn, dict):
+            self.rope_yarn = from_dict(YarnConfig, self.rope_yarn, "model.rope_yarn.")
+        self.rope_yarn.validate("model.rope_yarn")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "d_ff_dense"):
             _positive(f"model.{name}", getattr(self, name))
         for name in ("n_kv_heads", "head_dim"):
@@ -188,10 +202,8 @@ class ModelConfig:
             _fail("model.n_kv_heads", self.n_kv_heads, f"does not divide n_heads={self.n_heads}")
         if not self.head_dim and self.d_model % self.n_heads:
             _fail("model.n_heads", self.n_heads, f"does not divide d_model={self.d_model} (or set model.head_dim)")
-        if self.head_width % 2:
-            _fail("model.head_dim" if self.head_dim else "model.n_heads", self.head_dim or self.n_heads,
-                  f"head width {self.head_width} must be even for rotary positions")
-        for name in ("qk_norm", "attn_bias"):
+        check_attention(self)
+        for name in ("qk_norm", "attn_bias", "rope_interleave"):
             if not isinstance(getattr(self, name), bool):
                 _fail(f"model.{name}", getattr(self, name), "must be true or false")
         if not 0 <= self.n_dense_layers <= self.n_layers:
@@ -210,6 +222,15 @@ class ModelConfig:
                 if width % block:
                     _fail(name, width, f"must be a multiple of {block} with model.moe.precision="
                           f"{self.moe.precision!r} (its GEMM blocks along both widths)")
+
+    @property
+    def rope_width(self) -> int:
+        """Dims of a head that the rotary turns: all of it, or MLA's rope part."""
+        return self.rope_head_dim if self.attention == "mla" else self.head_width
+
+    @property
+    def value_width(self) -> int:
+        return self.v_head_dim or self.head_width
 
     @property
     def kv_heads(self) -> int:
