@@ -41,7 +41,7 @@ ISA_TESTS += tests/test_model_knobs.py tests/test_identity_experts.py tests/test
 ISA_TESTS += tests/test_offload.py tests/distributed/test_recompute_ep.py
 ISA_TESTS += tests/test_recompute.py tests/test_routing_norm_topk.py tests/serve/test_serving_topk.py \
 	tests/serve/test_replay_recompute.py tests/serve/test_replay_training.py
-ISA_TESTS += tests/test_hf_parity.py tests/test_hf_attention.py
+ISA_TESTS += tests/test_hf_parity.py tests/test_hf_attention.py tests/test_hf_deepseek.py tests/test_hf_upcycle.py
 ISA_TESTS += tests/test_lean_experts.py
 ISA_TESTS += tests/distributed/test_ep_spill.py tests/distributed/test_ep_adaptive.py tests/distributed/test_ep_replicas.py
 ISA_SETTINGS ?= AVX512 AVX2

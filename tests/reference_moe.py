@@ -24,9 +24,9 @@ def moe_reference(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
     xr = x_TD
     if lat is not None:
         xr = x_TD @ lat.down.weight.T
-        if lat.norm_weight is not None:
+        if lat.norm is not None:
             xf = xr.float()
-            xr = (xf / (xf.square().mean(-1, keepdim=True) + lat.eps).sqrt() * lat.norm_weight).to(x.dtype)
+            xr = (xf / (xf.square().mean(-1, keepdim=True) + lat.norm.eps).sqrt() * lat.norm.weight).to(x.dtype)
     rows = []
     for t in range(x_TD.shape[0]):
         acc = torch.zeros_like(xr[t])

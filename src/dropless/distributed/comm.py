@@ -14,6 +14,11 @@ gradient of a received row goes back to the rank that sent the row, to the row i
 summed, so gradients are bit-exact copies.
 
 The process group is always an argument: no module-level default group, no singleton.
+
+Watching (distributed/watch.py): inside a trainer step run under `CommWatch.step`, every collective
+here goes through the step's watch (timed, fingerprinted, explained on a timeout); the autograd
+function keeps the forward's watch for its backward. Outside a watched step the calls are plain.
+`all_reduce` is the same for the trainer's data-parallel reductions.
 """
 
 from __future__ import annotations
@@ -24,17 +29,37 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from . import watch as _watch
+
+_CURRENT = object()  # "the watch of the running step" (a backward passes the forward's explicitly)
+
 
 def _exchange(x: torch.Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None,
-              group: ProcessGroup | None, zero_row: bool = False) -> torch.Tensor:
+              group: ProcessGroup | None, zero_row: bool = False, watch: object = _CURRENT) -> torch.Tensor:
     x = x.contiguous()
     rows = sum(out_splits) if out_splits is not None else x.shape[0]
     out = x.new_empty((rows + zero_row, *x.shape[1:]))
     if zero_row:
         out[rows:].zero_()
-    dist.all_to_all_single(out[:rows], x, output_split_sizes=None if out_splits is None else list(out_splits),
-                           input_split_sizes=None if in_splits is None else list(in_splits), group=group)
+    outs = None if out_splits is None else list(out_splits)
+    ins = None if in_splits is None else list(in_splits)
+    w = _watch.current() if watch is _CURRENT else watch
+    if w is None:
+        dist.all_to_all_single(out[:rows], x, output_split_sizes=outs, input_split_sizes=ins, group=group)
+    else:
+        w.run("all_to_all", group, x, lambda: dist.all_to_all_single(
+            out[:rows], x, output_split_sizes=outs, input_split_sizes=ins, group=group),
+            splits=None if outs is None else (outs, ins))
     return out
+
+
+def all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: ProcessGroup | None) -> None:
+    """`dist.all_reduce` in place, through the running step's watch when there is one."""
+    w = _watch.current()
+    if w is None:
+        dist.all_reduce(t, op=op, group=group)
+    else:
+        w.run("all_reduce", group, t, lambda: dist.all_reduce(t, op=op, group=group))
 
 
 class _AllToAll(torch.autograd.Function):
@@ -42,14 +67,15 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None,
                 group: ProcessGroup | None, zero_row: bool) -> torch.Tensor:
         ctx.splits, ctx.group, ctx.zero_row = (out_splits, in_splits), group, zero_row
-        return _exchange(x, out_splits, in_splits, group, zero_row)
+        ctx.watch = _watch.current()
+        return _exchange(x, out_splits, in_splits, group, zero_row, ctx.watch)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out_splits, in_splits = ctx.splits
         if ctx.zero_row:
             grad = grad[:-1]
-        return _exchange(grad, in_splits, out_splits, ctx.group), None, None, None, None
+        return _exchange(grad, in_splits, out_splits, ctx.group, watch=ctx.watch), None, None, None, None
 
 
 def all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int],

@@ -20,8 +20,7 @@ per-expert statistics (measured in l).
 Init: both projections normal with std fan_in^-1/2, so the latent rows and the layer's output keep
 the scale of the plain layer's at init.
 
-The norm is the model's RMSNorm formula (normalise in fp32, times a learned weight), written out
-here because layers do not import the model (docs/style.md rule 1).
+The norm is the model's RMSNorm (layers/norm.py), over the l latent features.
 """
 
 from __future__ import annotations
@@ -29,24 +28,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .norm import RMSNorm
+
 
 class LatentProjection(nn.Module):
     def __init__(self, d_model: int, latent_dim: int, norm: bool, eps: float = 1e-6) -> None:
         super().__init__()
         self.down = nn.Linear(d_model, latent_dim, bias=False)
         self.up = nn.Linear(latent_dim, d_model, bias=False)
-        self.norm_weight = nn.Parameter(torch.ones(latent_dim)) if norm else None
-        self.eps = eps
+        self.norm = RMSNorm(latent_dim, eps) if norm else None
         nn.init.normal_(self.down.weight, std=d_model ** -0.5)
         nn.init.normal_(self.up.weight, std=latent_dim ** -0.5)
 
     def project_down(self, x_TD: torch.Tensor) -> torch.Tensor:
         x_TL = self.down(x_TD)
-        if self.norm_weight is None:
-            return x_TL
-        xf = x_TL.float()
-        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-        return (y * self.norm_weight.float()).to(x_TL.dtype)
+        return self.norm(x_TL) if self.norm is not None else x_TL
 
     def project_up(self, y_TL: torch.Tensor) -> torch.Tensor:
         return self.up(y_TL)

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from ..config import RunConfig, save_config, to_dict
 from ..distributed import parallelize as par
+from ..distributed.watch import build_watch, watch_step
 from ..model import MoEModel
 from . import checkpoint as ckpt
 from . import dist_checkpoint
@@ -127,6 +128,7 @@ class Trainer:
             self.meshes = par.build_meshes(p.ep_size, self.device.type)
             self.expert_names = par.parallelize_model(self.model, self.meshes, p)
             reduce = par.dp_all_reduce(self.meshes.dp_group)
+        self.comm_watch = build_watch(self.meshes, self.device, p)  # None in one process
         self.optimizer = build_optimizer(self.model, t)
         self.overflow: OverflowGuard | None = None
         if self.distributed and p.ep_mode == "buffered" and self.model.moe_layers():
@@ -159,7 +161,8 @@ class Trainer:
                 log.truncate_from(0)
         self.health = TrainHealth(self.model, self.run_dir, probe, all_reduce=reduce,
                                   echo=cfg.log.progress, write=self.is_main,
-                                  alarm_warmup=t.warmup_steps)
+                                  alarm_warmup=t.warmup_steps, a2a_alarm_ratio=p.a2a_alarm_ratio,
+                                  a2a_watch=self.comm_watch if p.ep_size > 1 else None)
         if resume:
             self.health.restore(self._resume_state.get("health", {}), self.routing.read(),
                                 rank=self.rank, world=self.world_size)
@@ -385,7 +388,8 @@ class Trainer:
             for step in range(self.start_step, t.steps):
                 last = step + 1 == t.steps
                 log_step = (step + 1) % cfg.log.log_every == 0 or last or step == 0
-                stats, grad_norm = self.train_step(step, log_step)
+                with watch_step(self.comm_watch, step, check=log_step):  # distributed/watch.py
+                    stats, grad_norm = self.train_step(step, log_step)
                 if log_step:
                     now = time.perf_counter()
                     n_steps = step + 1 - last_step
