@@ -141,3 +141,17 @@ def test_parallel_block_moe_reads_the_block_input() -> None:
             model.blocks[1].attn.out.weight.zero_()
             after = [m.y for m in model(tok).moe]
         assert torch.equal(before[0], after[0]) == same, block
+
+
+def test_knobs_with_latent_attention() -> None:
+    # DeepSeek-V3's attention (layers/mla.py) in every block, the MTP modules' included: the block
+    # knobs compose with it; the hand-composed reference runs the same modules
+    cfg = model_cfg("model.attention=mla", "model.kv_lora_rank=8", "model.head_dim=16",
+                    "model.rope_head_dim=4", "model.block=parallel_moe", "model.moe_layer_freq=2",
+                    "model.moe.n_identity_experts=1", "model.moe.latent_dim=16")
+    check_against_reference(cfg, ["layer"])
+    torch.manual_seed(0)
+    model = MoEModel(replace(cfg, mtp_depth=1))
+    out = model(tokens(), tokens())
+    out.loss.backward()
+    assert out.mtp_loss is not None and model.mtp[0].proj.weight.grad is not None

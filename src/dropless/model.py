@@ -7,7 +7,9 @@ L keys attended (cached + new).
     tokens_BS -> embedding -> [block] * n_layers -> RMSNorm -> LM head -> logits_BSV
     block(x) = x + attn(norm(x));  x + ffn(norm(x))
     parallel MoE block (model.block = "parallel_moe"): x + attn(norm(x)) + moe(norm'(x))
-    ffn = dense SwiGLU MLP for the first `n_dense_layers` blocks, the MoE layer after them
+    ffn = dense SwiGLU MLP for the first `n_dense_layers` blocks, the MoE layer after them (every
+          `moe_layer_freq`-th one, or the listed ones: model_knobs.py)
+    training with `mtp_depth` > 0 adds the multi-token prediction modules' loss (layers/mtp.py)
 
 Attention is causal self-attention with rotary positions through `scaled_dot_product_attention`;
 grouped-query heads, q/k RMSNorm and biases are config switches (the Qwen3-MoE and Mixtral layouts,
@@ -277,7 +279,8 @@ class MoEModel(nn.Module):
             ce = F.cross_entropy(logits.float().view(B * S, -1), targets_BS.reshape(-1))
             loss = ce + moe_loss
             # training only: evaluation reports the main loss alone, generation never runs MTP
-            if len(self.mtp) and self.training and cache is None and positions_BS is None and valid_BS is None:
+            plain = cache is None and positions_BS is None and valid_BS is None  # the training call
+            if len(self.mtp) and self.training and plain:
                 mtp = mtp_loss(self.mtp, x, targets_BS, self.embed, self.head, cos, sin)
                 loss = loss + self.cfg.mtp_weight * mtp
         return ModelOutput(logits, loss, ce, moe_loss, moe, mtp)

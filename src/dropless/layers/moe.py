@@ -108,7 +108,8 @@ class MoELayer(nn.Module):
         self.router = Router(d_model, cfg.routed_experts, cfg.top_k, cfg.router)
         backend = resolve_backend(cfg.backend, cfg.capacity_factor is not None)
         # LatentMoE (latent.py): the routed experts run in latent_dim, between two projections
-        self.latent = (LatentProjection(d_model, cfg.latent_dim, cfg.latent_norm)  # eps 1e-6: the layer never sees model.norm_eps
+        # (its norm's eps is the default 1e-6: the layer never sees model.norm_eps)
+        self.latent = (LatentProjection(d_model, cfg.latent_dim, cfg.latent_norm)
                        if cfg.latent_dim else None)
         d_routed = cfg.latent_dim or d_model
         self.experts = GroupedExperts(cfg.num_experts, d_routed, cfg.d_expert, cfg.activation,

@@ -347,7 +347,8 @@ class Trainer:
 
     def log_row(self, step: int, sums: StepLosses, grad_norm: torch.Tensor, tokens_per_s: float) -> dict:
         # The one host sync of the interval for the losses; the routing record makes its own.
-        losses = torch.stack([sums.loss, sums.ce, sums.moe, *([sums.mtp] if sums.mtp is not None else [])])
+        mtp = [sums.mtp] if sums.mtp is not None else []
+        losses = torch.stack([sums.loss, sums.ce, sums.moe, *mtp])
         if self.distributed:  # means over ranks (the gradient norm is already global)
             self.health.reduce(losses, "sum")
             losses = losses / self.world_size
