@@ -71,6 +71,8 @@ class ParallelConfig:
     check_collectives: bool = False  # fingerprint every watched collective; ranks compare them at log steps
     collective_timeout_s: float = 0.0  # > 0: a collective fails after this long, naming the ranks missing
     a2a_alarm_ratio: float = 1.5  # health alarm when an interval's all-to-all time exceeds this x baseline
+    # EP with shared experts: compute them while the dispatch all-to-all is in flight (docs/ep.md "Overlap")
+    overlap_shared: bool = True
 
     def __post_init__(self) -> None:
         self.validate("parallel")
@@ -103,6 +105,8 @@ class ParallelConfig:
         t = self.collective_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0:
             _fail(f"{prefix}.collective_timeout_s", t, "must be >= 0 seconds (0 = the backend's default)")
+        if not isinstance(self.overlap_shared, bool):
+            _fail(f"{prefix}.overlap_shared", self.overlap_shared, "must be true or false")
         r = self.a2a_alarm_ratio
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not r > 1:
             _fail(f"{prefix}.a2a_alarm_ratio", r, "must be > 1 (the all-to-all time over its baseline)")

@@ -115,6 +115,15 @@ class ReplicatedDispatcher:
         ids = virtual_ids(decision.ids_TK, self.tables)
         return self.inner.dispatch(x_TD, replace(decision, ids_TK=ids))
 
+    @property
+    def overlap_shared(self) -> bool:
+        return self.inner.overlap_shared
+
+    def dispatch_overlapped(self, x_TD: torch.Tensor, decision: RoutingDecision, during: Any
+                            ) -> tuple[ExpertBatch, EPMeta, torch.Tensor | None]:
+        ids = virtual_ids(decision.ids_TK, self.tables)
+        return self.inner.dispatch_overlapped(x_TD, replace(decision, ids_TK=ids), during)
+
     def combine(self, y_RD: torch.Tensor, meta: EPMeta) -> torch.Tensor:
         return self.inner.combine(y_RD, meta)
 
