@@ -345,7 +345,7 @@ class EPDispatcher:
         if spill and int(recv_PX[:, L + 1].sum()):
             keep_TK = keep_q[plan.row_of_P].view(T, K)
             valid_TK = decision.valid_TK if decision.valid_TK is not None else torch.ones_like(keep_TK)
-            return (*ep_spill.dispatch_spill(self.exact(), x_TD, decision, valid_TK & ~keep_TK, batch, meta),
+            return (*ep_spill.dispatch_spill(EPDispatcher.exact(self), x_TD, decision, valid_TK & ~keep_TK, batch, meta),
                     extra)
         return batch, meta, extra
 

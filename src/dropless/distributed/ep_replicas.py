@@ -42,6 +42,7 @@ from torch.distributed import ProcessGroup
 from ..layers.experts import ExpertBatch
 from ..layers.moe import MoELayer
 from ..layers.router import RoutingDecision
+from . import comm
 from .ep import EPDispatcher, EPMeta
 
 GOLDEN = (math.sqrt(5) - 1) / 2
@@ -201,3 +202,76 @@ def sync_replica_grads(layer: MoELayer, group: ProcessGroup | None) -> None:
                 g[rep.expert % L].copy_(buf)
             elif rank == rep.rank:
                 g[L + rep.slot].copy_(buf)
+
+
+# -- replicas for the trainer: copies fetched from their owners, not parameters ---------------------
+
+class HotReplicaDispatcher(EPDispatcher):
+    """The EP dispatcher over P*(L+S) virtual slots whose copies are fetched, not kept.
+
+    The trainer's expert parameters stay the L logical experts per rank (FSDP over edp, checkpoints,
+    the optimizer and the gradient norm see nothing new). Each call fetches the copies' weights from
+    their owners: one differentiable all-to-all per weight over the EP group (`grow`, run by the
+    experts on their unsharded weights through `ExpertBatch.grow`), appended as the S spare groups
+    (zeros where a slot holds no copy). Its backward sends each copy's gradient back to its owner,
+    where autograd adds it to the owner's own: the gradient of the expert is the sum over both
+    copies, counted once, and the copies are the owner's weights at every step by construction (no
+    state to keep identical). Cost per layer call: the copies' weights out and their gradients back
+    (R expert weights each way, summed over ranks), plus a [L+S, ...] concatenation of the weights.
+    """
+
+    @classmethod
+    def wrap(cls, inner: EPDispatcher, spare: int) -> "HotReplicaDispatcher":
+        if spare < 1:
+            raise ValueError(f"spare={spare}: must be >= 1")
+        P, L = inner.ep_size, inner.num_local
+        d = object.__new__(cls)
+        d.__dict__.update(inner.__dict__, num_experts=P * (L + spare), num_local=L + spare)
+        d.logical_experts, d.logical_local, d.spare = inner.num_experts, L, spare
+        d.set_replicas((), torch.device("cpu"))
+        return d
+
+    def set_replicas(self, replicas: tuple[Replica, ...], device: torch.device) -> None:
+        """Install a placement (the same on every rank of the group): host tables, nothing moves."""
+        P, L, S, me = self.ep_size, self.logical_local, self.spare, self.rank
+        self.replicas = replicas
+        self.tables = slot_tables(replicas, self.logical_experts, P, S, device)
+        order = sorted(replicas, key=lambda r: (r.rank, r.slot))
+        mine = [r for r in order if r.expert // L == me]  # copies this rank's experts feed, by destination
+        self.send_idx = torch.tensor([r.expert % L for r in mine], dtype=torch.int64, device=device)
+        self.send_splits = tuple(sum(r.rank == d for r in mine) for d in range(P))
+        got = sorted((r for r in replicas if r.rank == me), key=lambda r: (r.expert // L, r.slot))
+        self.recv_splits = tuple(sum(r.expert // L == o for r in got) for o in range(P))
+        row = {r.slot: i for i, r in enumerate(got)}
+        self.slot_row = torch.tensor([row.get(s, len(got)) for s in range(S)], dtype=torch.int64, device=device)
+        E = self.logical_experts
+        groups = list(range(me * L, (me + 1) * L)) + [E] * S
+        for r in got:
+            groups[L + r.slot] = r.expert
+        self.expert_of_group = torch.tensor(groups, dtype=torch.int64, device=device)
+
+    def _fetch(self, w: torch.Tensor) -> torch.Tensor:
+        if not self.replicas:  # every rank knows: no collective
+            return torch.cat([w, w.new_zeros((self.spare, *w.shape[1:]))])
+        sent = w.index_select(0, self.send_idx)
+        got = comm.all_to_all(sent, self.recv_splits, self.send_splits, self.group, zero_row=True)
+        return torch.cat([w, got.index_select(0, self.slot_row)])
+
+    def grow(self, w_up: torch.Tensor, w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._fetch(w_up), self._fetch(w_down)
+
+    def dispatch_overlapped(self, x_TD: torch.Tensor, decision: RoutingDecision, during: Any
+                            ) -> tuple[ExpertBatch, EPMeta, torch.Tensor | None]:
+        ids = virtual_ids(decision.ids_TK, self.tables)
+        batch, meta, extra = super().dispatch_overlapped(x_TD, replace(decision, ids_TK=ids), during)
+        return replace(batch, grow=self.grow), replace(meta, expert_of_group=self.expert_of_group), extra
+
+    def exact(self) -> "HotReplicaDispatcher":
+        other = object.__new__(type(self))
+        other.__dict__.update(self.__dict__, mode="exact")
+        return other
+
+    def worst_case(self) -> "HotReplicaDispatcher":
+        other = object.__new__(type(self))
+        other.__dict__.update(self.__dict__, ragged_buffer_factor=-1, link_pairs=None)
+        return other

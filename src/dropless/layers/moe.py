@@ -174,7 +174,10 @@ class MoELayer(nn.Module):
         with torch.no_grad():
             if self.detailed_stats:
                 out_sq = expert_out_sq(y_RD, batch.offsets_E, batch.weights_R)
-                if meta.num_local < self.cfg.num_experts:  # expert parallel: this rank's experts only
+                if meta.expert_of_group is not None:  # hot-expert replicas: a copy's rows count for its expert
+                    E = self.cfg.num_experts
+                    out_sq = out_sq.new_zeros(E + 1).index_add_(0, meta.expert_of_group, out_sq)[:E]
+                elif meta.num_local < self.cfg.num_experts:  # expert parallel: this rank's experts only
                     first = meta.first_expert
                     last = self.cfg.num_experts - first - meta.num_local
                     out_sq = torch.nn.functional.pad(out_sq, (first, last))
