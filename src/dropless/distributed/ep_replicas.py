@@ -1,4 +1,6 @@
-"""Hot-expert replication for expert parallelism, at the layer level (issue 15; not in the trainer yet).
+"""Hot-expert replication for expert parallelism (issue 15): the layer-level form with the copies as
+parameters (`replicate_layer` ... `sync_replica_grads`), and the trainer's form with the copies
+fetched from their owners each call (`HotReplicaDispatcher`, at the end; train/ep_replicas_train.py).
 
 Legend: P ranks, E experts, L = E/P own experts per rank, S spare slots per rank, T tokens, K slots.
     virtual slot v in [0, P*(L+S)): rank v // (L+S), local slot v % (L+S); a rank's slots are its L
@@ -22,9 +24,9 @@ pairs there:
   gradient, so with identical weights and moments the optimizer keeps the copies bit-identical.
 Numerics: an expert's pairs are split over two GEMMs and its gradient summed in two parts, so
 outputs and gradients match the unreplicated layer at the EP noise floor (tolerances.EP_REDUCED).
-The layer's `detailed_stats` per-expert output sums use the dispatcher's first_expert/num_local and
-are not supported with replicas; neither are the trainer, FSDP over the expert weights and
-checkpoints (the spare slots are not in the [E, ...] checkpoint layout).
+The layer-level form does not support `detailed_stats`, the trainer, FSDP over the expert weights or
+checkpoints (its spare slots are parameters outside the [E, ...] checkpoint layout); the fetched
+form has none of these limits (its class note).
 """
 
 from __future__ import annotations
