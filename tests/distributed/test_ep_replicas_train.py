@@ -1,7 +1,8 @@
 """Hot-expert replication in the trainer (train/ep_replicas_train.py, HotReplicaDispatcher), world 2.
 
 Layer level (E=8, k=2, one spare slot per rank, R=2, Zipf 1.2 routing so rank 0's experts are the
-busy ones; ten AdamW steps, the placement recomputed from the global counts every 4 steps):
+busy ones; ten AdamW steps in exact mode and five in buffered mode (de-dup, worst-case links), the
+placement recomputed from the global counts every 4 steps):
 - the copy a rank computes with is its owner's weight bit for bit at every step (the fetched spare
   group against the owner's parameter, broadcast from the owner);
 - output, input gradient, router gradient and the expert gradients equal the unreplicated EP layer
@@ -48,18 +49,19 @@ def _copies_are_owners(layer: MoELayer, rank: int) -> None:
                 assert torch.equal(g[L + r.slot], buf), r
 
 
-def _layer_case(rank: int, world: int) -> None:
+def _layer_case(rank: int, world: int, mode: str, steps: int) -> None:
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(0)
     ref = MoELayer(D, MoEConfig(num_experts=E, top_k=K, d_expert=6))
-    layer = shard_moe_layer(copy.deepcopy(ref), None, ParallelConfig(ep_size=world))
+    pcfg = ParallelConfig(ep_size=world, ep_mode=mode, ragged_buffer_factor=-1, max_tokens_per_rank=T)
+    layer = shard_moe_layer(copy.deepcopy(ref), None, pcfg)
     layer.dispatcher = rep.HotReplicaDispatcher.wrap(layer.dispatcher, 1)
     opt = torch.optim.AdamW(layer.parameters(), lr=1e-2, foreach=False)
     L = E // world
     seen: dict[str, torch.Tensor] = {}
     layer.experts.register_forward_pre_hook(lambda m, args: seen.update(offsets=args[0].offsets_E.clone()))
     copies_used = 0
-    for step in range(10):
+    for step in range(steps):
         gen = torch.Generator().manual_seed(100 * step + rank)
         x, g = torch.randn(T, D, generator=gen), torch.randn(T, D, generator=gen)
         ids = zipf_ids(T, E, K, 1.2, gen)
@@ -69,7 +71,7 @@ def _layer_case(rank: int, world: int) -> None:
             layer.dispatcher.set_replicas(rep.plan_replicas(counts.tolist(), 2, world, 1), x.device)
             assert layer.dispatcher.replicas
         _copies_are_owners(layer, rank)
-        plain = shard_moe_layer(copy.deepcopy(ref), None, ParallelConfig(ep_size=world))
+        plain = shard_moe_layer(copy.deepcopy(ref), None, pcfg)
         plain.load_state_dict(layer.state_dict())  # the same weights (the copies are not parameters)
         outs = []
         for m in (layer, plain):
@@ -83,7 +85,7 @@ def _layer_case(rank: int, world: int) -> None:
         offsets = seen["offsets"].long()
         copies_used += int(offsets[L] - offsets[L - 1])  # rows in this rank's spare slot
         for i, (a, b) in enumerate(zip(*outs)):
-            assert_close(a, b, EP_REDUCED, msg=f"step {step} tensor {i}")
+            assert_close(a, b, EP_REDUCED, msg=f"{mode} step {step} tensor {i}")
         opt.step()
         opt.zero_grad(set_to_none=True)
     used = torch.tensor(copies_used)
@@ -138,7 +140,8 @@ def _trainer_case(rank: int, world: int, root: Path) -> None:
 
 
 def _worker(rank: int, world: int, root: Path) -> None:
-    _layer_case(rank, world)
+    _layer_case(rank, world, "exact", 10)
+    _layer_case(rank, world, "buffered", 5)  # worst-case links: the virtual slots' capacity
     _trainer_case(rank, world, root)
 
 
