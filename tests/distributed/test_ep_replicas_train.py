@@ -126,6 +126,9 @@ def _trainer_case(rank: int, world: int, root: Path) -> None:
     for la, lb, na, nb in zip(a[0], b[0], a[1], b[1]):
         assert abs(la - lb) <= PARALLEL_TRAIN_LOSS * abs(la), (a, b)
         assert abs(na - nb) <= PARALLEL_TRAIN_GRAD_NORM * abs(na), (a, b)
+    # evaluation (exact dispatch, the subclass kept) sees the same model
+    va, vb = plain.evaluate(), rep_t.evaluate()
+    assert abs(va - vb) <= PARALLEL_TRAIN_LOSS * abs(va), (va, vb)
     # a checkpoint of the replicated run resumes without replicas, and the plain one with them
     rep_t.save(6)
     plain.save(6)

@@ -168,13 +168,19 @@ class EPDispatcher:
     def exact(self) -> "EPDispatcher":
         """The same dispatcher in exact mode: any number of tokens per rank, never drops (one host
         read of the split sizes per call). For evaluation, where ranks may hold different batches."""
+        other = object.__new__(type(self))  # a subclass (hot-expert replicas) stays one
+        other.__dict__.update(self.__dict__, mode="exact")
+        return other
+
+    def _plain_exact(self) -> "EPDispatcher":
+        """`exact` as this class, not a subclass: spill's second trip sends ids already mapped."""
         other = object.__new__(EPDispatcher)
         other.__dict__.update(self.__dict__, mode="exact")
         return other
 
     def worst_case(self) -> "EPDispatcher":
         """The same dispatcher with worst-case buffers: the retry of an overflowing step."""
-        other = object.__new__(EPDispatcher)
+        other = object.__new__(type(self))
         other.__dict__.update(self.__dict__, ragged_buffer_factor=-1, link_pairs=None)
         return other
 
@@ -345,7 +351,7 @@ class EPDispatcher:
         if spill and int(recv_PX[:, L + 1].sum()):
             keep_TK = keep_q[plan.row_of_P].view(T, K)
             valid_TK = decision.valid_TK if decision.valid_TK is not None else torch.ones_like(keep_TK)
-            return (*ep_spill.dispatch_spill(EPDispatcher.exact(self), x_TD, decision, valid_TK & ~keep_TK, batch, meta),
+            return (*ep_spill.dispatch_spill(self._plain_exact(), x_TD, decision, valid_TK & ~keep_TK, batch, meta),
                     extra)
         return batch, meta, extra
 

@@ -267,13 +267,3 @@ class HotReplicaDispatcher(EPDispatcher):
         ids = virtual_ids(decision.ids_TK, self.tables)
         batch, meta, extra = super().dispatch_overlapped(x_TD, replace(decision, ids_TK=ids), during)
         return replace(batch, grow=self.grow), replace(meta, expert_of_group=self.expert_of_group), extra
-
-    def exact(self) -> "HotReplicaDispatcher":
-        other = object.__new__(type(self))
-        other.__dict__.update(self.__dict__, mode="exact")
-        return other
-
-    def worst_case(self) -> "HotReplicaDispatcher":
-        other = object.__new__(type(self))
-        other.__dict__.update(self.__dict__, ragged_buffer_factor=-1, link_pairs=None)
-        return other
