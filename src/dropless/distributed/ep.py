@@ -40,6 +40,10 @@ ranks; their index_add is sequential on CPU; on CUDA it is atomic (order not fix
 torch.use_deterministic_algorithms is on (the trainer's `train.deterministic`, default true), which
 gives index_select's backward a deterministic kernel (PyTorch documents it in that list).
 
+Overlap (`dispatch_overlapped`, parallel.overlap_shared): step 3's token rows and metadata are issued
+asynchronously (comm.all_to_all_start) and the caller's `during` (the layer's shared experts) runs
+before they are waited for; the same collectives on the same data, so bit-identical (docs/ep.md).
+
 Devices: every tensor is made on x's device (constants with `new_full`); the host reads are exact
 mode's one `.tolist()` of the split sizes and, in buffered mode with `on_overflow="spill"`, one int
 (the group's overflow, from the count exchange) plus, when it is nonzero, the spill trip's exact-mode
