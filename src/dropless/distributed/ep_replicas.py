@@ -73,6 +73,8 @@ def plan_replicas(counts_E: list[int], num_replicas: int, ep_size: int, spare: i
             continue
         r = min(cand, key=lambda i: (load[i], i))
         moved = min(c, max(0.0, (load[owner] - load[r]) / 2))
+        if moved == 0:  # the owner is no busier than any rank with a slot: a copy would carry nothing
+            continue
         out.append(Replica(e, r, spare - free[r], moved / c))
         free[r] -= 1
         load[owner] -= moved
