@@ -6,11 +6,12 @@ and waits after it. The same collectives on the same data: output, input gradien
 parameter gradient must equal the blocking layer's bit for bit (torch.equal), in exact and buffered
 mode, with and without de-dup, and with spill when links overflow. Both runs are watched
 (distributed/watch.py, check mode): the overlapped one must record the same collectives (count and
-digest) and time its all-to-alls.
+digest) and time its all-to-alls; buffered mode (without spill) must not read the host.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dist_harness import run_world
+from host_sync import forbid_host_sync
 from dropless.config import MoEConfig, ParallelConfig
 from dropless.distributed import comm
 from dropless.distributed.parallelize_ep import shard_moe_layer
@@ -27,10 +29,11 @@ from dropless.layers.moe import MoELayer
 MODES = [("exact", 2.0, "retry"), ("buffered", -1, "retry"), ("buffered", 0.3, "spill")]
 
 
-def _run(layer: MoELayer, x: torch.Tensor, g: torch.Tensor) -> tuple[list[torch.Tensor], CommWatch]:
+def _run(layer: MoELayer, x: torch.Tensor, g: torch.Tensor, no_sync: bool) -> tuple[list[torch.Tensor], CommWatch]:
     watch = CommWatch({"ep": None}, x.device, check=True)
     xs = x.clone().requires_grad_(True)
-    with watch.step(0):
+    with watch.step(0), (forbid_host_sync("overlapped buffered EP read the host") if no_sync
+                         else contextlib.nullcontext()):
         out = layer(xs)
         (out.y * g).sum().backward()
     return [out.y.detach(), xs.grad] + [p.grad for p in layer.parameters()], watch
@@ -56,7 +59,8 @@ def _cases(rank: int, world: int) -> None:
                                      max_tokens_per_rank=20, on_overflow=policy, overlap_shared=overlap)
                 ep = shard_moe_layer(copy.deepcopy(layer), None, cfg)
                 assert ep.dispatcher.overlap_shared is overlap
-                results.append(_run(ep, x, g))
+                # buffered without spill never reads the host, overlapped or not
+                results.append(_run(ep, x, g, no_sync=mode == "buffered" and policy != "spill"))
             (plain, w0), (over, w1) = results
             assert len(plain) == len(over)
             for i, (a, b) in enumerate(zip(plain, over)):

@@ -2,7 +2,7 @@
 
 Layer level (E=8, k=2, one spare slot per rank, R=2, Zipf 1.2 routing so rank 0's experts are the
 busy ones; ten AdamW steps in exact mode and five in buffered mode (de-dup, worst-case links), the
-placement recomputed from the global counts every 4 steps):
+placement recomputed from the global counts every 4 steps; buffered steps must not read the host):
 - the copy a rank computes with is its owner's weight bit for bit at every step (the fetched spare
   group against the owner's parameter, broadcast from the owner);
 - output, input gradient, router gradient and the expert gradients equal the unreplicated EP layer
@@ -17,6 +17,7 @@ way) to the same next loss as the run that goes on.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from dist_harness import run_world
+from host_sync import forbid_host_sync
 from dropless.bench.ep_scenarios import zipf_ids
 from dropless.config import MoEConfig, ParallelConfig
 from dropless.distributed import ep_replicas as rep
@@ -77,8 +79,10 @@ def _layer_case(rank: int, world: int, mode: str, steps: int) -> None:
         for m in (layer, plain):
             m.detailed_stats = True
             xs = x.clone().requires_grad_(True)
-            out = m(xs, replay_ids=ids)
-            (out.y * g).sum().backward()
+            with (forbid_host_sync("buffered EP with replicas read the host") if mode == "buffered"
+                  else contextlib.nullcontext()):
+                out = m(xs, replay_ids=ids)
+                (out.y * g).sum().backward()
             out_sq = out.stats.out_sq_E.clone()  # per rank: its groups' rows; summed, every expert's
             dist.all_reduce(out_sq)
             outs.append([out.y.detach(), xs.grad, out_sq] + [p.grad for p in m.parameters()])
