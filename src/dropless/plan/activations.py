@@ -59,6 +59,7 @@ from ..layers import recompute as recompute_mod
 from ..layers.experts import ExpertBatch, GroupedExperts
 from ..model import Block, RMSNorm, rotary_tables
 from ..ops import grouped_gemm
+from ..ops.lean_experts import RowSource
 from ..saved_bytes import saved_bytes
 
 
@@ -278,9 +279,13 @@ def head_bytes(cfg: ModelConfig, batch: int, seq_len: int, bf16: bool) -> int:
             return saved_bytes(run, x, exclude=params).bytes
 
 
-def expert_bytes(cfg: ModelConfig, num_experts: int, rows: int, bf16: bool) -> int:
-    """What the experts' GEMMs and activation keep for `rows` rows (their fp32 input rows left out:
-    the first GEMM keeps its own cast copy under autocast, and counts them as saved otherwise)."""
+def expert_bytes(cfg: ModelConfig, num_experts: int, rows: int, bf16: bool, local: bool = False) -> int:
+    """What the experts' GEMMs and activation keep for `rows` rows. `local`: as the one-device
+    dispatcher runs them, with a row source (layers/dispatch.py): the lean experts keep a reference
+    to the token rows and their indices (both counted where the block keeps them, so left out here)
+    and no rows. Otherwise as the EP dispatcher runs them, without one: the lean experts keep the
+    [rows, D] rows in the compute dtype (under autocast the cast copy, else the rows themselves),
+    counted here."""
     moe = _plannable(cfg).moe
     with fake_world():
         experts = GroupedExperts(num_experts, cfg.d_model, moe.d_expert, moe.activation, moe.act_clamp,
@@ -289,9 +294,14 @@ def expert_bytes(cfg: ModelConfig, num_experts: int, rows: int, bf16: bool) -> i
         x_RD = torch.empty(rows, cfg.d_model, requires_grad=True)
         w_R = torch.empty(rows, requires_grad=True)
         offsets = torch.full((num_experts,), rows, dtype=torch.int32)
+        exclude = list(experts.parameters())
+        source = None
+        if local:
+            source = RowSource(torch.empty(rows, cfg.d_model), torch.empty(rows, dtype=torch.int64), False)
+            exclude += [source.x_TD, source.src_R]
         with _autocast(bf16):
-            return saved_bytes(lambda x, w: experts(ExpertBatch(x, offsets, weights_R=w)), x_RD, w_R,
-                               exclude=list(experts.parameters()), include_inputs=False).bytes
+            return saved_bytes(lambda x, w: experts(ExpertBatch(x, offsets, weights_R=w, source=source)), x_RD,
+                               w_R, exclude=exclude, include_inputs=False).bytes
 
 
 def experts_kept_on(cfg: ModelConfig) -> str:
@@ -317,7 +327,7 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, bf16: bool,
     if n_moe and ep_rows is not None and where != "recomputed":
         L, R = ep_rows
         E, K = cfg.moe.num_experts, cfg.moe.top_k
-        delta = expert_bytes(cfg, L, R, bf16) - expert_bytes(cfg, E, T * K, bf16)
+        delta = expert_bytes(cfg, L, R, bf16) - expert_bytes(cfg, E, T * K, bf16, local=True)
         if where == "host":
             moe_host += delta
         else:
