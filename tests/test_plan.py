@@ -141,8 +141,9 @@ def test_micro_batch_tokens_flag() -> None:
 @pytest.mark.slow
 def test_world_two_expert_parallel_components() -> None:
     """FSDP2 + EP 2 (buffered) on two gloo processes: sharded states exactly, EP buffers to the
-    byte of what the all-to-alls allocate, activations within 10% (the EP dispatcher's own index
-    tensors are not in the planner's substitution)."""
+    byte of what the all-to-alls allocate, activations within 2% (the EP dispatcher's own index
+    tensors are not in the planner's substitution: 0.997 here; leaving out the received rows the
+    lean experts keep under EP gave 0.946)."""
     from dropless.plan.validate import measured_max
 
     cfg = small("parallel.ep_size=2", "parallel.ep_mode=buffered")
@@ -151,7 +152,7 @@ def test_world_two_expert_parallel_components() -> None:
     for comp in ("params", "grads", "optimizer"):
         assert getattr(p, comp) == measured[comp], comp
     assert abs(p.ep_buffers / measured["ep_buffers"] - 1) < 0.001
-    assert abs(p.activations / measured["activations"] - 1) < 0.10
+    assert abs(p.activations / measured["activations"] - 1) < 0.02, (p.activations, measured["activations"])
 
 
 def test_pipeline_fold_is_one_heavy_stage() -> None:

@@ -34,8 +34,11 @@ is a stand-in that records the storage's size and allocates nothing (`_HostCopyS
 
 Expert parallelism changes only the expert GEMMs' row count (R: the received rows, which in the
 buffered mode are the fixed buffer of factor x the balanced need), so the MoE block is measured on one
-device and its experts' share is replaced: minus the experts on the local T*K rows, plus the L local
-experts on R rows, both measured on fake tensors the same way. The substitution goes where the
+device and its experts' share is replaced: minus the experts on the local T*K rows as the one-device
+dispatcher runs them (with a row source: the lean experts keep a reference to the token rows, no
+rows), plus the L local experts on R rows as the EP dispatcher runs them (no row source: the lean
+experts keep the R received rows, D wide, in the compute dtype), both measured on fake tensors the
+same way. The substitution goes where the
 experts' saved tensors go: nowhere when the experts are recomputed (`moe`, `layer`: the recompute
 repeats the all-to-alls and keeps no dispatched rows, docs/memory.md), into the host bytes when they
 are offloaded (`layer`, `moe`, `experts`), else into the device bytes.
