@@ -83,8 +83,11 @@ def test_world_shards_states_and_ep_sizes_buffers() -> None:
     cfg = small()
     one, four = plan(cfg, 1), plan(cfg, 4)
     assert four.params < one.params / 3.5 and four.optimizer < one.optimizer / 3.5
-    # world > 1 always has an EP dispatcher (over a group of one here): buffers, same activations
-    assert four.activations == one.activations and four.ep_buffers > 0 == one.ep_buffers
+    # world > 1 always has an EP dispatcher (over a group of one here): buffers, and the activations
+    # plus the rows the lean experts keep there (no row source), T*K fp32 rows per MoE layer
+    m, T = cfg.model, cfg.train.batch_size * cfg.train.seq_len
+    rows = (m.n_layers - m.n_dense_layers) * T * m.moe.top_k * m.d_model * 4
+    assert four.activations == one.activations + rows and four.ep_buffers > 0 == one.ep_buffers
     assert four.fsdp_gather > 0 == one.fsdp_gather
     ep = plan(with_overrides(cfg, ["parallel.ep_size=2", "parallel.ep_mode=buffered"]), 2)
     assert ep.ep_buffers > 0
