@@ -74,6 +74,12 @@ class ParallelConfig:
     check_collectives: bool = False  # fingerprint every watched collective; ranks compare them at log steps
     collective_timeout_s: float = 0.0  # > 0: a collective fails after this long, naming the ranks missing
     a2a_alarm_ratio: float = 1.5  # health alarm when an interval's all-to-all time exceeds this x baseline
+    # EP with shared experts: compute them while the dispatch all-to-all is in flight (docs/ep.md "Overlap")
+    overlap_shared: bool = True
+    # hot-expert replication (train/ep_replicas_train.py): copies of the R busiest experts on other EP
+    # ranks, placed from the global counts every replica_interval steps; 0 = off
+    replicate_hot_experts: int = 0
+    replica_interval: int = 100
 
     def __post_init__(self) -> None:
         self.validate("parallel")
@@ -106,6 +112,12 @@ class ParallelConfig:
         t = self.collective_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0:
             _fail(f"{prefix}.collective_timeout_s", t, "must be >= 0 seconds (0 = the backend's default)")
+        if not isinstance(self.overlap_shared, bool):
+            _fail(f"{prefix}.overlap_shared", self.overlap_shared, "must be true or false")
+        n = self.replicate_hot_experts
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            _fail(f"{prefix}.replicate_hot_experts", n, "must be an int >= 0 (0 = off)")
+        _positive(f"{prefix}.replica_interval", self.replica_interval)
         r = self.a2a_alarm_ratio
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not r > 1:
             _fail(f"{prefix}.a2a_alarm_ratio", r, "must be > 1 (the all-to-all time over its baseline)")
@@ -122,6 +134,12 @@ class ParallelConfig:
         if self.ep_size > 1 and moe.capacity_factor is not None:
             _fail("parallel.ep_size", self.ep_size, f"with model.moe.capacity_factor={moe.capacity_factor}: "
                   "expert parallelism is dropless; the capacity baseline is single-device only")
+        if self.replicate_hot_experts and self.ep_size < 2:
+            _fail("parallel.replicate_hot_experts", self.replicate_hot_experts,
+                  f"with parallel.ep_size={self.ep_size}: replicas live on other EP ranks (ep_size >= 2)")
+        if self.replicate_hot_experts > moe.num_experts:
+            _fail("parallel.replicate_hot_experts", self.replicate_hot_experts,
+                  f"is more than model.moe.num_experts={moe.num_experts}")
         tokens = train.batch_size * train.seq_len
         if self.ep_mode == "buffered" and 0 < self.max_tokens_per_rank < tokens:
             _fail("parallel.max_tokens_per_rank", self.max_tokens_per_rank,

@@ -208,4 +208,4 @@ def worst_case_dispatch(model: MoEModel) -> contextlib.AbstractContextManager[No
 def exact_dispatch(model: MoEModel) -> contextlib.AbstractContextManager[None]:
     """Inside: every EP layer dispatches in exact mode (any number of tokens per rank, never
     overflows). For sharded evaluation, where ranks may hold batches of different sizes."""
-    return _dispatchers_replaced(model, EPDispatcher.exact)
+    return _dispatchers_replaced(model, lambda d: d.exact())  # a subclass's own (hot-expert replicas)

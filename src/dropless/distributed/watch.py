@@ -36,7 +36,7 @@ import contextvars
 import json
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -90,14 +90,7 @@ class CommWatch:
     def run(self, op: str, group: ProcessGroup | None, x: torch.Tensor, issue: Callable[[], object],
             splits: tuple[Sequence[int], Sequence[int]] | None = None) -> None:
         """Record (check mode), time (all-to-alls) and issue one blocking collective."""
-        role, ranks = self._roles.get(self._name(group), ("other", ()))
-        shape = tuple(x.shape[1:]) + (len(splits[0]),) if splits is not None else tuple(x.shape)
-        dtype = str(x.dtype).removeprefix("torch.")
-        if self.check:
-            self.in_flight = self.log.record(op, role, ranks, dtype, shape, self.cur_step,
-                                             *(splits if splits is not None else (None, None)))
-        else:  # not recorded, but a failure can still say which collective it was
-            self.in_flight = Entry(-1, self.cur_step, op, role, ranks, dtype, shape)
+        self._enter(op, group, x, splits)
         timed = op == "all_to_all"
         if timed and x.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -112,6 +105,51 @@ class CommWatch:
         else:
             issue()
         self.in_flight = None
+
+    def run_async(self, op: str, group: ProcessGroup | None, x: torch.Tensor, issue: Callable[[], Any],
+                  splits: tuple[Sequence[int], Sequence[int]] | None = None) -> Callable[[], None]:
+        """Record and issue one `async_op=True` collective (`issue` returns its Work); returns the
+        wait. Recorded at the issue (every rank issues in the same order); `in_flight` again while
+        waiting, so a timeout in the wait names it. Time: on the CPU the host time blocked in the
+        issue and in the wait (what the step lost to the exchange, not the overlapped part); on CUDA
+        events from the issue to the end of the wait (the current stream then waits on NCCL's), so
+        the figure includes the overlapped span."""
+        entry = self._enter(op, group, x, splits)
+        timed, cuda = op == "all_to_all", x.device.type == "cuda"
+        start = None
+        if timed and cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        work = issue()
+        if timed and not cuda:
+            self._a2a_s += time.perf_counter() - t0
+        self.in_flight = None
+
+        def wait() -> None:
+            self.in_flight = entry
+            t1 = time.perf_counter()
+            work.wait()
+            if start is not None:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self._events.append((start, end))
+            elif timed:
+                self._a2a_s += time.perf_counter() - t1
+            self.in_flight = None
+        return wait
+
+    def _enter(self, op: str, group: ProcessGroup | None, x: torch.Tensor,
+               splits: tuple[Sequence[int], Sequence[int]] | None) -> Entry:
+        role, ranks = self._roles.get(self._name(group), ("other", ()))
+        shape = tuple(x.shape[1:]) + (len(splits[0]),) if splits is not None else tuple(x.shape)
+        dtype = str(x.dtype).removeprefix("torch.")
+        if self.check:
+            self.in_flight = self.log.record(op, role, ranks, dtype, shape, self.cur_step,
+                                             *(splits if splits is not None else (None, None)))
+        else:  # not recorded, but a failure can still say which collective it was
+            self.in_flight = Entry(-1, self.cur_step, op, role, ranks, dtype, shape)
+        return self.in_flight
 
     # -- per step ---------------------------------------------------------------------------------------
 

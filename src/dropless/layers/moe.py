@@ -137,12 +137,18 @@ class MoELayer(nn.Module):
         run = ident.experts if ident is not None else decision  # what the real experts compute
         # the rows the routed experts read: x itself, or its latent projection (width l)
         xr_TD = self.latent.project_down(x_TD) if self.latent is not None else x_TD
+        shared_TD = None
         if decode_experts.applies(self.experts, self.dispatcher, run, x_TD.shape[0],
                                   self.decode_max_tokens, self.detailed_stats):
             y_TD = decode_experts.row_sum_experts(xr_TD, run, self.experts)
             batch, meta, y_RD = None, decode_experts.no_drop_meta(run, self.cfg.num_experts), None
         else:
-            batch, meta = self.dispatcher.dispatch(xr_TD, run)
+            if self.shared is not None and getattr(self.dispatcher, "overlap_shared", False):
+                # EP: the shared experts run while the token rows are in flight (distributed/ep.py)
+                batch, meta, shared_TD = self.dispatcher.dispatch_overlapped(xr_TD, run,
+                                                                             lambda: self._shared(x_TD))
+            else:
+                batch, meta = self.dispatcher.dispatch(xr_TD, run)
             y_RD = self.experts(batch)
             y_TD = self.dispatcher.combine(y_RD, meta)
         if ident is not None:
@@ -150,10 +156,7 @@ class MoELayer(nn.Module):
         if self.latent is not None:
             y_TD = self.latent.project_up(y_TD)
         if self.shared is not None:
-            if self.recompute_shared and torch.is_grad_enabled():  # layers/recompute.py
-                y_TD = y_TD + recompute.recomputed(self.shared, x_TD)
-            else:
-                y_TD = y_TD + self.shared(x_TD)
+            y_TD = y_TD + (shared_TD if shared_TD is not None else self._shared(x_TD))
         E, K = self.cfg.routed_experts, self.cfg.top_k  # identity experts count like any expert
         counts_E = routing.expert_counts(decision.ids_TK, E, decision.valid_TK)
         probs_TE = routing.router_probs(decision.scores_TE, self.cfg.router.score_func)
@@ -175,6 +178,11 @@ class MoELayer(nn.Module):
             valid_TK=decision.valid_TK,
         )
 
+    def _shared(self, x_TD: torch.Tensor) -> torch.Tensor:
+        if self.recompute_shared and torch.is_grad_enabled():  # layers/recompute.py
+            return recompute.recomputed(self.shared, x_TD)
+        return self.shared(x_TD)
+
     def _stats(self, decision: RoutingDecision, counts_E: torch.Tensor, probs_TE: torch.Tensor,
                meta: DispatchMeta, y_RD: torch.Tensor, batch: ExpertBatch, x_TD: torch.Tensor,
                ident: identity.IdentitySplit | None) -> MoEStats:
@@ -182,7 +190,10 @@ class MoELayer(nn.Module):
         with torch.no_grad():
             if self.detailed_stats:
                 out_sq = expert_out_sq(y_RD, batch.offsets_E, batch.weights_R)
-                if meta.num_local < self.cfg.num_experts:  # expert parallel: this rank's experts only
+                if meta.expert_of_group is not None:  # hot-expert replicas: a copy's rows count for its expert
+                    E = self.cfg.num_experts
+                    out_sq = out_sq.new_zeros(E + 1).index_add_(0, meta.expert_of_group, out_sq)[:E]
+                elif meta.num_local < self.cfg.num_experts:  # expert parallel: this rank's experts only
                     first = meta.first_expert
                     last = self.cfg.num_experts - first - meta.num_local
                     out_sq = torch.nn.functional.pad(out_sq, (first, last))

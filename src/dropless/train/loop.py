@@ -56,6 +56,7 @@ from .optim import build_optimizer, step_unless
 from .replay_data import ReplayData
 from .resume import check_resume_config, report_resume
 from .ep_buffers import AdaptiveBuffers
+from .ep_replicas_train import HotReplicas
 from .overflow import OverflowGuard
 from .schedule import lr_at
 from .sinks import JsonlLog, Progress, TensorBoard
@@ -129,6 +130,7 @@ class Trainer:
             self.expert_names = par.parallelize_model(self.model, self.meshes, p)
             reduce = par.dp_all_reduce(self.meshes.dp_group)
         self.comm_watch = build_watch(self.meshes, self.device, p)  # None in one process
+        self.replicas = HotReplicas.build(self.model, self.meshes, p, self.device)  # before the guards
         self.optimizer = build_optimizer(self.model, t)
         self.overflow: OverflowGuard | None = None
         if self.distributed and p.ep_mode == "buffered" and self.model.moe_layers():
@@ -334,6 +336,8 @@ class Trainer:
                 loss, moe_loss = loss + extra, moe_loss + extra
             (loss / t.grad_accum).backward()
             self.health.add_micro(out)
+            if self.replicas is not None:
+                self.replicas.observe(out.stats)
             if self.overflow is not None:
                 self.overflow.observe(out.stats)
                 d, m = OverflowGuard.count(out.stats)
@@ -415,6 +419,9 @@ class Trainer:
                         self.metrics.write({"step": step, "val_loss": val_loss})
                     tb.scalars(step, {"val_loss": val_loss})
                     say(f"step {step + 1}: val_loss {val_loss:.4f} nats/token")
+                place = self.replicas.maybe_place(step) if self.replicas is not None else None
+                if place is not None and self.is_main:
+                    self.metrics.write(place)
                 save = (step + 1) % t.ckpt_every == 0 or last
                 if self.overflow is not None and (save or (step + 1) % self.overflow.check_every == 0):
                     ep_row = self.overflow.check(step)  # before a checkpoint: none covers a skipped step unseen
