@@ -67,6 +67,8 @@ def test_experts_and_halves_are_independent() -> None:
     assert_close(o[0], base[0], msg="expert 0 moved with expert 1's gradient")
     assert torch.equal(o[2], torch.zeros_like(o[2]))
     assert_close(o[3, :, :F], base[3, :, :F], msg="the gate half moved with the up half")
+    # a rank whose FSDP2 shard of the experts is empty (fewer local experts than edp ranks)
+    assert orthogonalise(torch.zeros(0, D, 2 * F), GATE_UP).shape == (0, D, 2 * F)
     # a single-token expert: a rank-1 gradient 1e-6 the size of the others still gets a unit-size step
     lone = g.clone()
     lone[0] = 1e-6 * torch.outer(_grad((D,), 4), _grad((2 * F,), 5))
