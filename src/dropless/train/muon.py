@@ -75,6 +75,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..layers.experts import GroupedExperts
 from ..layers.mlp import MLP
+from ..model import Attention
 from ..ops.activations import is_gated
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # Jordan's quintic: fast, lands singular values in ~[0.7, 1.2]
@@ -101,8 +102,6 @@ class Split:
 
 def split_params(model: nn.Module) -> dict[nn.Parameter, Split]:
     """The parameters Muon updates and how each splits; every other parameter is AdamW's."""
-    from ..model import Attention  # the model imports layers; optimizers sit above it
-
     out: dict[nn.Parameter, Split] = {}
     for module in model.modules():
         if isinstance(module, GroupedExperts):
