@@ -185,7 +185,6 @@ def test_skip_leaves_everything_bit_identical() -> None:
     assert all(float(s["step"]) == 2 for s in opt.state.values() if "step" in s)
 
 
-@pytest.mark.slow  # three tiny trainer runs: ~15 s on a quiet 2-core machine, 45 s shared
 def test_muon_trains_and_resumes_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     full = tmp_path / "full"
     trainer = Trainer(tiny("train.optimizer=muon"), full)
