@@ -40,9 +40,10 @@ ISA_TESTS += tests/serve/test_kv_cache.py tests/serve/test_generate.py tests/tes
 ISA_TESTS += tests/test_offload.py tests/distributed/test_recompute_ep.py
 ISA_TESTS += tests/test_recompute.py tests/test_routing_norm_topk.py tests/serve/test_serving_topk.py \
 	tests/serve/test_replay_recompute.py tests/serve/test_replay_training.py
-ISA_TESTS += tests/test_hf_parity.py tests/test_hf_attention.py
+ISA_TESTS += tests/test_hf_parity.py tests/test_hf_attention.py tests/test_hf_deepseek.py tests/test_hf_upcycle.py
 ISA_TESTS += tests/test_lean_experts.py
 ISA_TESTS += tests/distributed/test_ep_spill.py tests/distributed/test_ep_adaptive.py tests/distributed/test_ep_replicas.py
+ISA_TESTS += tests/distributed/test_ep_overlap.py
 ISA_SETTINGS ?= AVX512 AVX2
 
 test-isa: $(STAMP)

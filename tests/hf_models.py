@@ -38,6 +38,23 @@ def mixtral_config(**kw: Any) -> Any:
     return transformers.MixtralConfig(**args)
 
 
+def deepseek_config(**kw: Any) -> Any:
+    """Multi-head latent attention with a low-rank query (q_lora_rank; q_lora_rank=None for the plain
+    projection), value heads narrower than query/key heads, DeepSeek's interleaved rotary layout;
+    8 routed experts in 4 groups of which 2 are eligible, top-3, 2 shared experts, a dense first layer
+    (first_k_dense_replace), routed_scaling_factor 2.5, one MTP layer declared (none saved by
+    transformers), eps 1e-5 (the latent norms keep transformers' 1e-6)."""
+    args = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=12,
+                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                n_group=4, topk_group=2, num_experts_per_tok=3, n_shared_experts=2, first_k_dense_replace=1,
+                q_lora_rank=16, kv_lora_rank=12, qk_rope_head_dim=4, qk_nope_head_dim=6, v_head_dim=5,
+                routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=64,
+                rope_parameters={"rope_type": "default", "rope_theta": 5000.0}, rms_norm_eps=1e-5,
+                tie_word_embeddings=False)
+    args.update(kw)
+    return transformers.DeepseekV3Config(**args)
+
+
 def write_tokenizer(folder: Path, added: int = 0) -> None:
     """A byte-level BPE tokenizer.json of at most VOCAB - 8 tokens trained on a few lines of Python,
     plus `added` added tokens."""
@@ -64,6 +81,9 @@ def save_hf(config: Any, folder: Path, seed: int = 0, tokenizer: bool = True) ->
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
                 p.uniform_(0.5, 1.5)
+        for name, b in model.named_buffers():  # DeepSeek's routing correction: must steer the choice
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
     model.save_pretrained(folder, max_shard_size="8KB")
     if tokenizer:
         write_tokenizer(folder)

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out, proved against transformers itself (hf/, docs/hf.md).
+"""Hugging Face checkpoints in and out, proved against transformers itself (hf/, docs/models.md).
 
 Every model here is a tiny random-weight Qwen3-MoE or Mixtral built with transformers' own config and
 model classes and saved with `save_pretrained` in small shards (tests/hf_models.py), so each import
@@ -183,7 +183,7 @@ def test_qwen3_export_needs_qk_norm() -> None:
     ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
     ("use_sliding_window", True),
     ("hidden_act", "gelu"),
-    ("model_type", "deepseek_v3"),
+    ("model_type", "llama"),
     ("mlp_only_layers", [1]),
 ])
 def test_import_refuses_inexpressible_configs(field: str, value: object) -> None:

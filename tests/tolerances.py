@@ -231,3 +231,18 @@ KV_DECODE = Tol(1e-5, 3e-5)
 # normalisation) the smallest values of a square Gaussian matrix are ~0.01; an orthogonalisation over all
 # experts at once leaves an expert 1e3 times quieter than the others at ~1e-3.
 NS_SINGULAR_BAND = (0.6, 1.25)
+
+# float8_e4m3fn block quantisation (hf/fp8.py, tests/test_hf_deepseek.py): a weight w in a block of
+# scale s is stored as e4m3(w / s) and read back as that times s. e4m3 keeps 3 mantissa bits, so
+# round-to-nearest is off by at most half an ulp, 2^-4 of the value for normal numbers; below the
+# smallest normal (2^-6) the step is 2^-9, half of it 2^-10 in units of s. The fp32 division and
+# multiply add a relative 2^-23 each: the +1e-6 slack. Bound: |error| <= E4M3_REL |w| + E4M3_SUBNORMAL s.
+E4M3_REL = 2.0**-4 + 1e-6
+E4M3_SUBNORMAL = 2.0**-10 + 1e-6
+
+# Sparse upcycling's sanity check (tests/test_hf_upcycle.py): a dense model and the same model
+# upcycled to one expert with top-1 (weight exactly 1), trained 15 steps side by side in fp32. The
+# functions are equal; the sums are not ordered alike (grouped expert GEMM vs the dense MLP's), so the
+# gradients differ by fp32 roundings that AdamW's per-element normalisation amplifies where a
+# gradient is near zero. 1e-3 nats per step is the bound (the handbook's check).
+UPCYCLE_LOSS_CURVE = 1e-3

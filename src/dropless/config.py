@@ -41,6 +41,8 @@ from .moe_config import (  # noqa: F401  (re-exported: the MoE part of the tree)
     MoEConfig,
 )
 
+from .attn_config import ATTENTIONS, YarnConfig, check_attention  # noqa: F401  (re-exported)
+
 EP_MODES = ("exact", "buffered")
 ON_OVERFLOW = ("skip", "retry", "spill")  # buffered EP: what happens to pairs that did not fit
 
@@ -67,6 +69,16 @@ class ParallelConfig:
     # fixed all-to-all buffers from (ranks may hold fewer; more is a ValueError from the shape).
     # 0 = the trainer's micro-batch, train.batch_size * train.seq_len
     max_tokens_per_rank: int = 0
+    # watching the collectives (distributed/watch.py, docs/ep.md "All-to-all health", "Hang diagnostics")
+    check_collectives: bool = False  # fingerprint every watched collective; ranks compare them at log steps
+    collective_timeout_s: float = 0.0  # > 0: a collective fails after this long, naming the ranks missing
+    a2a_alarm_ratio: float = 1.5  # health alarm when an interval's all-to-all time exceeds this x baseline
+    # EP with shared experts: compute them while the dispatch all-to-all is in flight (docs/ep.md "Overlap")
+    overlap_shared: bool = True
+    # hot-expert replication (train/ep_replicas_train.py): copies of the R busiest experts on other EP
+    # ranks, placed from the global counts every replica_interval steps; 0 = off
+    replicate_hot_experts: int = 0
+    replica_interval: int = 100
 
     def __post_init__(self) -> None:
         self.validate("parallel")
@@ -94,6 +106,20 @@ class ParallelConfig:
                 or self.max_tokens_per_rank < 0:
             _fail(f"{prefix}.max_tokens_per_rank", self.max_tokens_per_rank,
                   "must be an int >= 0 (0 = the micro-batch)")
+        if not isinstance(self.check_collectives, bool):
+            _fail(f"{prefix}.check_collectives", self.check_collectives, "must be true or false")
+        t = self.collective_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0:
+            _fail(f"{prefix}.collective_timeout_s", t, "must be >= 0 seconds (0 = the backend's default)")
+        if not isinstance(self.overlap_shared, bool):
+            _fail(f"{prefix}.overlap_shared", self.overlap_shared, "must be true or false")
+        n = self.replicate_hot_experts
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            _fail(f"{prefix}.replicate_hot_experts", n, "must be an int >= 0 (0 = off)")
+        _positive(f"{prefix}.replica_interval", self.replica_interval)
+        r = self.a2a_alarm_ratio
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not r > 1:
+            _fail(f"{prefix}.a2a_alarm_ratio", r, "must be > 1 (the all-to-all time over its baseline)")
 
     def check_experts(self, num_experts: int, prefix: str = "parallel") -> None:
         """E experts must split evenly over ep_size ranks."""
@@ -107,6 +133,12 @@ class ParallelConfig:
         if self.ep_size > 1 and moe.capacity_factor is not None:
             _fail("parallel.ep_size", self.ep_size, f"with model.moe.capacity_factor={moe.capacity_factor}: "
                   "expert parallelism is dropless; the capacity baseline is single-device only")
+        if self.replicate_hot_experts and self.ep_size < 2:
+            _fail("parallel.replicate_hot_experts", self.replicate_hot_experts,
+                  f"with parallel.ep_size={self.ep_size}: replicas live on other EP ranks (ep_size >= 2)")
+        if self.replicate_hot_experts > moe.num_experts:
+            _fail("parallel.replicate_hot_experts", self.replicate_hot_experts,
+                  f"is more than model.moe.num_experts={moe.num_experts}")
         tokens = train.batch_size * train.seq_len
         if self.ep_mode == "buffered" and 0 < self.max_tokens_per_rank < tokens:
             _fail("parallel.max_tokens_per_rank", self.max_tokens_per_rank,
@@ -152,11 +184,20 @@ class ModelConfig:
     head_dim: int = 0  # width of one head (0 = d_model / n_heads; Qwen3 sets it explicitly)
     qk_norm: bool = False  # RMSNorm of each query and key head before the rotary (Qwen3)
     attn_bias: bool = False  # biases on the q, k, v and output projections
+    # "standard": multi-head / grouped-query attention (model.py); "mla": DeepSeek's multi-head latent
+    # attention (layers/mla.py), where head_dim is the query/key head width (its nope + rope parts)
+    attention: str = "standard"
+    q_lora_rank: int = 0  # mla: rank of the query projection (0 = one full-rank query projection)
+    kv_lora_rank: int = 0  # mla: width of the key/value latent
+    rope_head_dim: int = 0  # mla: the rotary part of each query/key head (one key part for all heads)
+    v_head_dim: int = 0  # mla: width of a value head (0 = head_dim)
+    rope_interleave: bool = False  # mla: rotary dims stored as interleaved pairs (DeepSeek's layout)
     max_seq_len: int = 256
     n_dense_layers: int = 1
     d_ff_dense: int = 512  # hidden width of the dense MLP layers
     tie_embeddings: bool = True
     rope_theta: float = 10000.0
+    rope_yarn: YarnConfig = field(default_factory=YarnConfig)  # YaRN scaling (off by default)
     norm_eps: float = 1e-6
     init_std: float = 0.02
     moe: MoEConfig = field(default_factory=MoEConfig)
@@ -168,6 +209,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):
             self.moe = from_dict(MoEConfig, self.moe, "model.moe.")
+        if isinstance(self.rope_yarn, dict):
+            self.rope_yarn = from_dict(YarnConfig, self.rope_yarn, "model.rope_yarn.")
+        self.rope_yarn.validate("model.rope_yarn")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "d_ff_dense"):
             _positive(f"model.{name}", getattr(self, name))
         for name in ("n_kv_heads", "head_dim"):
@@ -177,10 +221,8 @@ class ModelConfig:
             _fail("model.n_kv_heads", self.n_kv_heads, f"does not divide n_heads={self.n_heads}")
         if not self.head_dim and self.d_model % self.n_heads:
             _fail("model.n_heads", self.n_heads, f"does not divide d_model={self.d_model} (or set model.head_dim)")
-        if self.head_width % 2:
-            _fail("model.head_dim" if self.head_dim else "model.n_heads", self.head_dim or self.n_heads,
-                  f"head width {self.head_width} must be even for rotary positions")
-        for name in ("qk_norm", "attn_bias"):
+        check_attention(self)
+        for name in ("qk_norm", "attn_bias", "rope_interleave"):
             if not isinstance(getattr(self, name), bool):
                 _fail(f"model.{name}", getattr(self, name), "must be true or false")
         if not 0 <= self.n_dense_layers <= self.n_layers:
@@ -199,6 +241,15 @@ class ModelConfig:
                 if width % block:
                     _fail(name, width, f"must be a multiple of {block} with model.moe.precision="
                           f"{self.moe.precision!r} (its GEMM blocks along both widths)")
+
+    @property
+    def rope_width(self) -> int:
+        """Dims of a head that the rotary turns: all of it, or MLA's rope part."""
+        return self.rope_head_dim if self.attention == "mla" else self.head_width
+
+    @property
+    def value_width(self) -> int:
+        return self.v_head_dim or self.head_width
 
     @property
     def kv_heads(self) -> int:

@@ -10,7 +10,8 @@ L keys attended (cached + new).
 
 Attention is causal self-attention with rotary positions through `scaled_dot_product_attention`;
 grouped-query heads, q/k RMSNorm and biases are config switches (the Qwen3-MoE and Mixtral layouts,
-docs/hf.md), all off by default.
+docs/models.md), all off by default; `attention = "mla"` swaps in DeepSeek's latent attention
+(layers/mla.py), which takes the same arguments.
 The MoE layers return their aux and z losses; the model adds them to the cross-entropy with their
 coefficients from the config, and returns each layer's statistics (device tensors) for the trainer.
 Incremental decoding (serve/generate.py) passes a `KVCache` (layers/kv_cache.py), each token's
@@ -36,36 +37,15 @@ from torch import nn
 from .config import ModelConfig
 from .layers import offload, recompute
 from .layers.kv_cache import KVCache, LayerKVCache
+from .layers.mla import LatentAttention
 from .layers.mlp import MLP
 from .layers.moe import MoELayer, MoEOutput, MoEStats
+from .layers.norm import RMSNorm
+from .layers.rotary import apply_rotary, rotary_tables
+
+__all__ = ["Attention", "Block", "MoEModel", "ModelOutput", "RMSNorm", "apply_rotary", "rotary_tables"]
 
 Out = TypeVar("Out")
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32: the mean of squares of bf16 activations loses the small ones.
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
-
-
-def rotary_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles_SF = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
-    return angles_SF.cos(), angles_SF.sin()
-
-
-def apply_rotary(x_BHSDh: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor) -> torch.Tensor:
-    """Tables [S, F] (positions 0..S-1 for every sequence) or [B, 1, S, F] (a position per token)."""
-    x1, x2 = x_BHSDh.float().chunk(2, dim=-1)  # rotate pairs (i, i + Dh/2)
-    out = torch.cat([x1 * cos_SF - x2 * sin_SF, x1 * sin_SF + x2 * cos_SF], dim=-1)
-    return out.to(x_BHSDh.dtype)
 
 
 class Attention(nn.Module):
@@ -131,7 +111,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, moe: bool, offloader: offload.Offloader | None = None) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = LatentAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         m = cfg.moe
         self.ffn: nn.Module = (MoELayer(cfg.d_model, m) if moe else
@@ -224,7 +204,7 @@ class MoEModel(nn.Module):
         # Residual branches start small so that depth does not blow up the residual stream.
         for block in self.blocks:
             nn.init.normal_(block.attn.out.weight, std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
-        cos, sin = rotary_tables(cfg.max_seq_len, cfg.head_width, cfg.rope_theta)
+        cos, sin = rotary_tables(cfg.max_seq_len, cfg.rope_width, cfg.rope_theta, cfg.rope_yarn)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 

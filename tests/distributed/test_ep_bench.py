@@ -98,5 +98,6 @@ def test_bench_ep_replicas_smoke(tmp_path: Path) -> None:
     assert rc == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["numbering"] for r in rows] == ["hot experts first", "random"]
-    for r in rows:  # the copies take load off the busiest rank
-        assert r["replicas"] == 4 and r["busiest_over_mean_replicated"] < r["busiest_over_mean_plain"], r
+    for r in rows:  # the copies take load off the busiest rank; an expert whose owner is no busier
+        # than every candidate rank gets no copy (ep_replicas.plan_replicas), so R = 4 places 1 to 4
+        assert 1 <= r["replicas"] <= 4 and r["busiest_over_mean_replicated"] < r["busiest_over_mean_plain"], r

@@ -1,5 +1,6 @@
-"""`dropless bench ep --scenario shifting-skew | replicas`: buffered-EP buffer policies over a routing
-that shifts; hot-expert replication's load balance (`replica_balance`, its own docstring).
+"""`dropless bench ep --scenario shifting-skew | replicas | overlap`: buffered-EP buffer policies over a
+routing that shifts; hot-expert replication's load balance (`replica_balance`, its own docstring); the
+shared experts overlapped with the dispatch all-to-all or not (`_overlap_worker`, its own docstring).
 
 Spawns --nproc gloo processes (CPU, one thread each). Each rank routes --tokens tokens per step, k
 distinct of E experts drawn with weight 1/(e+1)^s (Gumbel top-k; s = 0 balanced): --steps steps
@@ -49,10 +50,11 @@ POLICIES: list[tuple[str, float | str]] = [("fixed 1.0", 1.0), ("fixed 1.5", 1.5
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--scenario", choices=["shifting-skew", "replicas"], default=None,
+    p.add_argument("--scenario", choices=["shifting-skew", "replicas", "overlap"], default=None,
                    help="shifting-skew: buffer policies over balanced -> Zipf -> balanced routing; replicas: "
                         "busiest rank's pairs over the mean with hot-expert replication (instead of the protocol "
-                        "bench)")
+                        "bench); overlap: shared experts during the dispatch all-to-all or after it")
+    p.add_argument("--shared-width", type=int, default=0, help="overlap: shared expert width (0 = 2 x dim)")
     p.add_argument("--replicas", type=int, default=4, help="replicas: R, copies of the busiest experts")
     p.add_argument("--replica-zipf", type=float, default=1.0, help="replicas: Zipf exponent of the routing")
     p.add_argument("--steps", type=int, default=20, help="shifting-skew: steps per phase")
@@ -179,6 +181,47 @@ def _worker(rank: int, args: argparse.Namespace, store: str, out_path: str) -> N
     dist.destroy_process_group()
 
 
+def _overlap_worker(rank: int, args: argparse.Namespace, store: str, out_path: str) -> None:
+    """A sharded MoE layer with one shared expert (width --shared-width), balanced random routing,
+    exact mode and buffered (factor --factor), de-dup on: forward alone (no_grad) and forward +
+    backward, `parallel.overlap_shared` off and on, interleaved in one run; the slowest rank's median."""
+    keep_freed_memory()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=args.nproc)
+    T, E, K, D = args.tokens, args.experts, args.top_k, args.dim
+    torch.manual_seed(0)
+    ref = MoELayer(D, MoEConfig(num_experts=E, top_k=K, d_expert=max(D // 2, 1), n_shared_experts=1,
+                                d_shared=args.shared_width or 2 * D))
+    gen = torch.Generator().manual_seed(rank)
+    x, ids = torch.randn(T, D, generator=gen), zipf_ids(T, E, K, 0.0, gen)
+    fns: dict[str, Callable[[], object]] = {}
+    for mode in ("exact", "buffered"):
+        for overlap in (False, True):
+            layer = shard_moe_layer(copy.deepcopy(ref), None, ParallelConfig(
+                ep_size=args.nproc, ep_mode=mode, ragged_buffer_factor=args.factor, max_tokens_per_rank=T,
+                overlap_shared=overlap))
+            tag = f"{mode} {'overlapped' if overlap else 'plain'}"
+            fns[f"{tag}/fwd"] = torch.no_grad()(lambda layer=layer: layer(x, replay_ids=ids))
+            fns[f"{tag}/fwd_bwd"] = lambda layer=layer: _layer_pass(layer, x, ids)
+    ms = interleaved(fns, args.repeats, args.warmup, before=dist.barrier)
+    slowest = torch.tensor([ms[k] for k in fns], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        with open(out_path, "w") as fh:
+            json.dump(dict(zip(fns, slowest.tolist())), fh)
+    dist.destroy_process_group()
+
+
+def _overlap_rows(ms: dict[str, float]) -> list[dict[str, Any]]:
+    rows = []
+    for mode in ("exact", "buffered"):
+        for part in ("fwd", "fwd_bwd"):
+            a, b = ms[f"{mode} plain/{part}"], ms[f"{mode} overlapped/{part}"]
+            rows.append(dict(mode=mode, part=part, plain_ms=round(a, 2), overlapped_ms=round(b, 2),
+                             overlapped_over_plain=round(b / a, 3)))
+    return rows
+
+
 def replica_balance(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Busiest rank's pairs over the mean, unreplicated and with R copies (one spare slot per rank,
     or more when R > P), per expert numbering. The placement comes from step 0's global counts and
@@ -226,13 +269,22 @@ def main(args: argparse.Namespace) -> int:
             with open(args.json, "w") as fh:
                 json.dump({"config": config, "rows": rows}, fh, indent=2)
         return 0
+    worker = _overlap_worker if args.scenario == "overlap" else _worker
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "result.json")
-        mp.start_processes(_worker, args=(args, os.path.join(tmp, "store"), out_path), nprocs=args.nproc,
+        mp.start_processes(worker, args=(args, os.path.join(tmp, "store"), out_path), nprocs=args.nproc,
                            start_method="spawn")
         with open(out_path) as fh:
             result = json.load(fh)
     config = {k: v for k, v in vars(args).items() if k != "json"}
+    if args.scenario == "overlap":
+        rows = _overlap_rows(result)
+        print(f"dropless bench ep --scenario overlap: {config}")
+        print(format_table(rows, list(rows[0])))
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"config": config, "rows": rows, "ms": result}, fh, indent=2)
+        return 0
     balanced = args.tokens * args.top_k / args.nproc
     rows = [dict(policy=name, **v, factor_end=round(v["link_pairs_end"] / balanced, 3),
                  bytes_with_retry=v["bytes_first_attempt"] + v["bytes_retry_extra"],

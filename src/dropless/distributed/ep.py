@@ -40,6 +40,10 @@ ranks; their index_add is sequential on CPU; on CUDA it is atomic (order not fix
 torch.use_deterministic_algorithms is on (the trainer's `train.deterministic`, default true), which
 gives index_select's backward a deterministic kernel (PyTorch documents it in that list).
 
+Overlap (`dispatch_overlapped`, parallel.overlap_shared): step 3's token rows and metadata are issued
+asynchronously (comm.all_to_all_start) and the caller's `during` (the layer's shared experts) runs
+before they are waited for; the same collectives on the same data, so bit-identical (docs/ep.md).
+
 Devices: every tensor is made on x's device (constants with `new_full`); the host reads are exact
 mode's one `.tolist()` of the split sizes and, in buffered mode with `on_overflow="spill"`, one int
 (the group's overflow, from the count exchange) plus, when it is nonzero, the spill trip's exact-mode
@@ -50,6 +54,7 @@ factor "auto" `link_pairs`, which train/ep_buffers.py sets between steps.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -122,7 +127,8 @@ class EPDispatcher:
 
     def __init__(self, num_experts: int, group: ProcessGroup | None, *, align: int = 1,
                  mode: str = "exact", dedup: bool = True, ragged_buffer_factor: float | str = 2.0,
-                 max_tokens: int = 0, top_k: int | None = None, on_overflow: str = "retry") -> None:
+                 max_tokens: int = 0, top_k: int | None = None, on_overflow: str = "retry",
+                 overlap_shared: bool = False) -> None:
         if mode not in ("exact", "buffered"):
             raise ValueError(f"mode={mode!r}: must be 'exact' or 'buffered'")
         if not (ragged_buffer_factor == "auto" or ragged_buffer_factor == -1 or ragged_buffer_factor > 0):
@@ -142,6 +148,9 @@ class EPDispatcher:
         self.ragged_buffer_factor = ragged_buffer_factor
         self.max_tokens, self.top_k = max_tokens, top_k
         self.on_overflow = on_overflow
+        # the layer runs its shared experts inside dispatch, while the token rows are in flight
+        # (`dispatch_overlapped`; MoELayer asks for it when this is set)
+        self.overlap_shared = overlap_shared
         # "auto": pair slots per link, set between steps by train/ep_buffers.py (None: AUTO_START_FACTOR)
         self.link_pairs: int | None = None
 
@@ -163,13 +172,19 @@ class EPDispatcher:
     def exact(self) -> "EPDispatcher":
         """The same dispatcher in exact mode: any number of tokens per rank, never drops (one host
         read of the split sizes per call). For evaluation, where ranks may hold different batches."""
+        other = object.__new__(type(self))  # a subclass (hot-expert replicas) stays one
+        other.__dict__.update(self.__dict__, mode="exact")
+        return other
+
+    def _plain_exact(self) -> "EPDispatcher":
+        """`exact` as this class, not a subclass: spill's second trip sends ids already mapped."""
         other = object.__new__(EPDispatcher)
         other.__dict__.update(self.__dict__, mode="exact")
         return other
 
     def worst_case(self) -> "EPDispatcher":
         """The same dispatcher with worst-case buffers: the retry of an overflowing step."""
-        other = object.__new__(EPDispatcher)
+        other = object.__new__(type(self))
         other.__dict__.update(self.__dict__, ragged_buffer_factor=-1, link_pairs=None)
         return other
 
@@ -188,6 +203,26 @@ class EPDispatcher:
     # -- dispatch ----------------------------------------------------------------------------------
 
     def dispatch(self, x_TD: torch.Tensor, decision: RoutingDecision) -> tuple[ExpertBatch, EPMeta]:
+        batch, meta, _ = self.dispatch_overlapped(x_TD, decision, None)
+        return batch, meta
+
+    def dispatch_overlapped(self, x_TD: torch.Tensor, decision: RoutingDecision,
+                            during: Callable[[], torch.Tensor] | None
+                            ) -> tuple[ExpertBatch, EPMeta, torch.Tensor | None]:
+        """`dispatch`, and `during()` (the shared experts) computed while the token rows and their
+        metadata are in flight: the exchange is issued (`comm.all_to_all_start`), `during` runs, then
+        it is waited for; returns its result third. None: the blocking exchange, nothing run."""
+        def send(t: torch.Tensor, out_s: tuple | None, in_s: tuple | None, zero_row: bool = False) -> object:
+            if during is not None:
+                return comm.all_to_all_start(t, out_s, in_s, self.group, zero_row)
+            if out_s is None:
+                return comm.all_to_all_fixed(t, self.group, zero_row=zero_row)
+            return comm.all_to_all(t, out_s, in_s, self.group, zero_row=zero_row)
+
+        def overlap(*sent: object) -> tuple:
+            extra = during() if during is not None else None
+            return (extra, *(comm.all_to_all_wait(p) if isinstance(p, comm.Pending) else p for p in sent))
+
         Pn, L, dev = self.ep_size, self.num_local, x_TD.device
         ids_TK = decision.ids_TK
         T, K = ids_TK.shape
@@ -240,15 +275,16 @@ class EPDispatcher:
                 pair_of_slot[torch.where(keep_q, rank_q * C + src.j_q, Pn * C)] = torch.arange(Q, device=dev)
                 pair_of_slot = pair_of_slot[:-1]
                 meta_send = take(meta_q2, pair_of_slot, pair_of_slot < Q)
-                x_recv = comm.all_to_all_fixed(x_send, self.group, zero_row=True)
-                meta_recv = comm.all_to_all_fixed(meta_send, self.group)
+                x_recv = send(x_send, None, None, zero_row=True)
+                meta_recv = send(meta_send, None, None)
                 bytes_sent = x_TD.new_full((), Pn * (Cr * D * es + C * _META_BYTES), dtype=torch.int64)
             else:
                 token_S = token_of_sorted[:sum(send_rows)]
                 x_send = x_TD.index_select(0, token_S)
-                x_recv = comm.all_to_all(x_send, recv_rows, send_rows, self.group, zero_row=True)
-                meta_recv = comm.all_to_all(meta_q2[:sum(send_pairs)], recv_pairs, send_pairs, self.group)
+                x_recv = send(x_send, tuple(recv_rows), tuple(send_rows), zero_row=True)
+                meta_recv = send(meta_q2[:sum(send_pairs)], tuple(recv_pairs), tuple(send_pairs))
                 bytes_sent = rows_P.sum() * D * es + kept_P.sum() * _META_BYTES
+            extra, x_recv, meta_recv = overlap(x_recv, meta_recv)
             w_n = meta_recv[:, 0]
             rowidx_n = meta_recv[:, 1].detach().contiguous().view(torch.int32).long()
             back_seg = token_S
@@ -261,19 +297,20 @@ class EPDispatcher:
                 # kept pairs are a prefix of each link block without de-dup
                 q_n = (excl_cumsum(src.pairs_P)[r] + i).clamp(max=max(Q - 1, 0))
                 sent_n = i < kept_P[r]
-                x_recv = comm.all_to_all_fixed(take(x_PD, q_n, sent_n), self.group, zero_row=True)
-                w_recv = comm.all_to_all_fixed(take(w_q[:, None], q_n, sent_n), self.group, zero_row=True)
+                x_recv = send(take(x_PD, q_n, sent_n), None, None, zero_row=True)
+                w_recv = send(take(w_q[:, None], q_n, sent_n), None, None, zero_row=True)
                 bytes_sent = x_TD.new_full((), Pn * C * (D * es + _WEIGHT_BYTES), dtype=torch.int64)
                 n_back = Pn * C
                 slot_P = (rank_q * C + src.j_q)[plan.row_of_P]
                 seg = torch.cat([token_q, token_q.new_full((1,), T)])[torch.where(sent_n, q_n, Q)]
             else:
                 n_back = sum(send_pairs)
-                x_recv = comm.all_to_all(x_PD[:n_back], recv_pairs, send_pairs, self.group, zero_row=True)
-                w_recv = comm.all_to_all(w_q[:n_back, None], recv_pairs, send_pairs, self.group, zero_row=True)
+                x_recv = send(x_PD[:n_back], tuple(recv_pairs), tuple(send_pairs), zero_row=True)
+                w_recv = send(w_q[:n_back, None], tuple(recv_pairs), tuple(send_pairs), zero_row=True)
                 bytes_sent = kept_P.sum() * (D * es + _WEIGHT_BYTES)
                 slot_P = plan.row_of_P  # the pairs went (and come back) in plan row order
                 seg = token_q[:n_back]
+            extra, x_recv, w_recv = overlap(x_recv, w_recv)
             w_n = w_recv.view(-1)
             # the returned pairs arrive in the order they left (plus the zero row): pair p of the
             # token-major [T, K] reads its slot, or the zero row n_back when it was not sent
@@ -318,8 +355,9 @@ class EPDispatcher:
         if spill and int(recv_PX[:, L + 1].sum()):
             keep_TK = keep_q[plan.row_of_P].view(T, K)
             valid_TK = decision.valid_TK if decision.valid_TK is not None else torch.ones_like(keep_TK)
-            return ep_spill.dispatch_spill(self.exact(), x_TD, decision, valid_TK & ~keep_TK, batch, meta)
-        return batch, meta
+            return (*ep_spill.dispatch_spill(self._plain_exact(), x_TD, decision, valid_TK & ~keep_TK, batch, meta),
+                    extra)
+        return batch, meta, extra
 
     # -- combine -----------------------------------------------------------------------------------
 
@@ -355,4 +393,5 @@ def build_ep_dispatcher(moe: MoEConfig, experts: GroupedExperts, cfg: ParallelCo
     what the experts need), buffers sized from `cfg.max_tokens_per_rank` and `moe.top_k`."""
     return EPDispatcher(moe.num_experts, group, align=dispatch_align(moe, experts), mode=cfg.ep_mode,
                         dedup=cfg.dedup, ragged_buffer_factor=cfg.ragged_buffer_factor,
-                        max_tokens=cfg.max_tokens_per_rank, top_k=moe.top_k, on_overflow=cfg.overflow_policy)
+                        max_tokens=cfg.max_tokens_per_rank, top_k=moe.top_k, on_overflow=cfg.overflow_policy,
+                        overlap_shared=cfg.overlap_shared)

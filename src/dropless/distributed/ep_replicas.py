@@ -1,4 +1,6 @@
-"""Hot-expert replication for expert parallelism, at the layer level (issue 15; not in the trainer yet).
+"""Hot-expert replication for expert parallelism (issue 15): the layer-level form with the copies as
+parameters (`replicate_layer` ... `sync_replica_grads`), and the trainer's form with the copies
+fetched from their owners each call (`HotReplicaDispatcher`, at the end; train/ep_replicas_train.py).
 
 Legend: P ranks, E experts, L = E/P own experts per rank, S spare slots per rank, T tokens, K slots.
     virtual slot v in [0, P*(L+S)): rank v // (L+S), local slot v % (L+S); a rank's slots are its L
@@ -22,9 +24,9 @@ pairs there:
   gradient, so with identical weights and moments the optimizer keeps the copies bit-identical.
 Numerics: an expert's pairs are split over two GEMMs and its gradient summed in two parts, so
 outputs and gradients match the unreplicated layer at the EP noise floor (tolerances.EP_REDUCED).
-The layer's `detailed_stats` per-expert output sums use the dispatcher's first_expert/num_local and
-are not supported with replicas; neither are the trainer, FSDP over the expert weights and
-checkpoints (the spare slots are not in the [E, ...] checkpoint layout).
+The layer-level form does not support `detailed_stats`, the trainer, FSDP over the expert weights or
+checkpoints (its spare slots are parameters outside the [E, ...] checkpoint layout); the fetched
+form has none of these limits (its class note).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from torch.distributed import ProcessGroup
 from ..layers.experts import ExpertBatch
 from ..layers.moe import MoELayer
 from ..layers.router import RoutingDecision
+from . import comm
 from .ep import EPDispatcher, EPMeta
 
 GOLDEN = (math.sqrt(5) - 1) / 2
@@ -70,6 +73,8 @@ def plan_replicas(counts_E: list[int], num_replicas: int, ep_size: int, spare: i
             continue
         r = min(cand, key=lambda i: (load[i], i))
         moved = min(c, max(0.0, (load[owner] - load[r]) / 2))
+        if moved == 0:  # the owner is no busier than any rank with a slot: a copy would carry nothing
+            continue
         out.append(Replica(e, r, spare - free[r], moved / c))
         free[r] -= 1
         load[owner] -= moved
@@ -114,6 +119,15 @@ class ReplicatedDispatcher:
     def dispatch(self, x_TD: torch.Tensor, decision: RoutingDecision) -> tuple[ExpertBatch, EPMeta]:
         ids = virtual_ids(decision.ids_TK, self.tables)
         return self.inner.dispatch(x_TD, replace(decision, ids_TK=ids))
+
+    @property
+    def overlap_shared(self) -> bool:
+        return self.inner.overlap_shared
+
+    def dispatch_overlapped(self, x_TD: torch.Tensor, decision: RoutingDecision, during: Any
+                            ) -> tuple[ExpertBatch, EPMeta, torch.Tensor | None]:
+        ids = virtual_ids(decision.ids_TK, self.tables)
+        return self.inner.dispatch_overlapped(x_TD, replace(decision, ids_TK=ids), during)
 
     def combine(self, y_RD: torch.Tensor, meta: EPMeta) -> torch.Tensor:
         return self.inner.combine(y_RD, meta)
@@ -192,3 +206,66 @@ def sync_replica_grads(layer: MoELayer, group: ProcessGroup | None) -> None:
                 g[rep.expert % L].copy_(buf)
             elif rank == rep.rank:
                 g[L + rep.slot].copy_(buf)
+
+
+# -- replicas for the trainer: copies fetched from their owners, not parameters ---------------------
+
+class HotReplicaDispatcher(EPDispatcher):
+    """The EP dispatcher over P*(L+S) virtual slots whose copies are fetched, not kept.
+
+    The trainer's expert parameters stay the L logical experts per rank (FSDP over edp, checkpoints,
+    the optimizer and the gradient norm see nothing new). Each call fetches the copies' weights from
+    their owners: one differentiable all-to-all per weight over the EP group (`grow`, run by the
+    experts on their unsharded weights through `ExpertBatch.grow`), appended as the S spare groups
+    (zeros where a slot holds no copy). Its backward sends each copy's gradient back to its owner,
+    where autograd adds it to the owner's own: the gradient of the expert is the sum over both
+    copies, counted once, and the copies are the owner's weights at every step by construction (no
+    state to keep identical). Cost per layer call: the copies' weights out and their gradients back
+    (R expert weights each way, summed over ranks), plus a [L+S, ...] concatenation of the weights.
+    """
+
+    @classmethod
+    def wrap(cls, inner: EPDispatcher, spare: int) -> "HotReplicaDispatcher":
+        if spare < 1:
+            raise ValueError(f"spare={spare}: must be >= 1")
+        P, L = inner.ep_size, inner.num_local
+        d = object.__new__(cls)
+        d.__dict__.update(inner.__dict__, num_experts=P * (L + spare), num_local=L + spare)
+        d.logical_experts, d.logical_local, d.spare = inner.num_experts, L, spare
+        d.set_replicas((), torch.device("cpu"))
+        return d
+
+    def set_replicas(self, replicas: tuple[Replica, ...], device: torch.device) -> None:
+        """Install a placement (the same on every rank of the group): host tables, nothing moves."""
+        P, L, S, me = self.ep_size, self.logical_local, self.spare, self.rank
+        self.replicas = replicas
+        self.tables = slot_tables(replicas, self.logical_experts, P, S, device)
+        order = sorted(replicas, key=lambda r: (r.rank, r.slot))
+        mine = [r for r in order if r.expert // L == me]  # copies this rank's experts feed, by destination
+        self.send_idx = torch.tensor([r.expert % L for r in mine], dtype=torch.int64, device=device)
+        self.send_splits = tuple(sum(r.rank == d for r in mine) for d in range(P))
+        got = sorted((r for r in replicas if r.rank == me), key=lambda r: (r.expert // L, r.slot))
+        self.recv_splits = tuple(sum(r.expert // L == o for r in got) for o in range(P))
+        row = {r.slot: i for i, r in enumerate(got)}
+        self.slot_row = torch.tensor([row.get(s, len(got)) for s in range(S)], dtype=torch.int64, device=device)
+        E = self.logical_experts
+        groups = list(range(me * L, (me + 1) * L)) + [E] * S
+        for r in got:
+            groups[L + r.slot] = r.expert
+        self.expert_of_group = torch.tensor(groups, dtype=torch.int64, device=device)
+
+    def _fetch(self, w: torch.Tensor) -> torch.Tensor:
+        if not self.replicas:  # every rank knows: no collective
+            return torch.cat([w, w.new_zeros((self.spare, *w.shape[1:]))])
+        sent = w.index_select(0, self.send_idx)
+        got = comm.all_to_all(sent, self.recv_splits, self.send_splits, self.group, zero_row=True)
+        return torch.cat([w, got.index_select(0, self.slot_row)])
+
+    def grow(self, w_up: torch.Tensor, w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._fetch(w_up), self._fetch(w_down)
+
+    def dispatch_overlapped(self, x_TD: torch.Tensor, decision: RoutingDecision, during: Any
+                            ) -> tuple[ExpertBatch, EPMeta, torch.Tensor | None]:
+        ids = virtual_ids(decision.ids_TK, self.tables)
+        batch, meta, extra = super().dispatch_overlapped(x_TD, replace(decision, ids_TK=ids), during)
+        return replace(batch, grow=self.grow), replace(meta, expert_of_group=self.expert_of_group), extra

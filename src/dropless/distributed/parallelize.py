@@ -50,6 +50,7 @@ from torch.distributed.tensor import DTensor
 from ..config import ParallelConfig
 from ..layers.moe import MoELayer
 from ..model import MoEModel
+from . import comm
 from .ep import EPDispatcher
 from .parallelize_ep import shard_moe_layer
 
@@ -139,7 +140,7 @@ def dp_all_reduce(group: dist.ProcessGroup) -> Callable[[torch.Tensor, str], Non
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
     def reduce(t: torch.Tensor, op: str) -> None:
-        dist.all_reduce(t, op=ops[op], group=group)
+        comm.all_reduce(t, ops[op], group)  # watched inside a trainer step (distributed/watch.py)
 
     return reduce
 
@@ -172,7 +173,7 @@ def finish_grads_(model: MoEModel, expert_names: list[str], ep: int, max_norm: f
     for g in expert:
         sq_expert += g.float().square().sum()
     sq = sq_dense + sq_expert / (ep * ep)
-    dist.all_reduce(sq, group=group)
+    comm.all_reduce(sq, dist.ReduceOp.SUM, group)
     norm = sq.sqrt()
     coef = torch.ones((), dtype=torch.float32, device=dev)
     if max_norm > 0:
@@ -207,4 +208,4 @@ def worst_case_dispatch(model: MoEModel) -> contextlib.AbstractContextManager[No
 def exact_dispatch(model: MoEModel) -> contextlib.AbstractContextManager[None]:
     """Inside: every EP layer dispatches in exact mode (any number of tokens per rank, never
     overflows). For sharded evaluation, where ranks may hold batches of different sizes."""
-    return _dispatchers_replaced(model, EPDispatcher.exact)
+    return _dispatchers_replaced(model, lambda d: d.exact())  # a subclass's own (hot-expert replicas)

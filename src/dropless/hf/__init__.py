@@ -1,1 +1,1 @@
-"""Hugging Face checkpoints in and out (Qwen3-MoE, Mixtral): docs/hf.md."""
+"""Hugging Face checkpoints in and out (Qwen3-MoE, Mixtral, DeepSeek-V3) and upcycling: docs/models.md."""

@@ -1,6 +1,6 @@
-"""`dropless export-hf RUN_DIR --out DIR --family qwen3_moe|mixtral`: a run as a Hugging Face checkpoint.
+"""`dropless export-hf RUN_DIR --out DIR --family qwen3_moe|mixtral|deepseek_v3`: a run as a Hugging Face checkpoint.
 
-    dropless export-hf RUN_DIR --out DIR --family qwen3_moe|mixtral [--dtype fp32|bf16]
+    dropless export-hf RUN_DIR --out DIR --family qwen3_moe|mixtral|deepseek_v3 [--dtype fp32|bf16]
                        [--max-shard-size-mb N]
 
 Writes `config.json`, the weights as safetensors shards of at most N MB with
@@ -38,7 +38,7 @@ DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16
 def hf_tensors(model: MoEModel, family: str, dtype: torch.dtype = torch.float32
                ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for every tensor of the checkpoint, each a fresh contiguous copy."""
-    params = dict(model.named_parameters())
+    params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     for slot in mapping.slots(model.cfg, family):
         p = params[slot.param].detach()
         region = p[slot.index] if slot.index else p
@@ -145,7 +145,7 @@ def export(run_dir: str | Path, out: str | Path, family: str, dtype: str = "fp32
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dropless export-hf",
-                                description="Export a run as a Hugging Face checkpoint (Qwen3-MoE or Mixtral).")
+                                description="Export a run as a Hugging Face checkpoint (Qwen3-MoE, Mixtral or DeepSeek-V3).")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--family", required=True, help=" | ".join(mapping.FAMILIES))

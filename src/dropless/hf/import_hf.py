@@ -1,4 +1,4 @@
-"""`dropless import-hf DIR --out RUN_DIR`: a Hugging Face Qwen3-MoE or Mixtral checkpoint as a dropless run.
+"""`dropless import-hf DIR --out RUN_DIR`: a Hugging Face Qwen3-MoE, Mixtral or DeepSeek-V3 checkpoint as a dropless run.
 
     dropless import-hf DIR --out RUN_DIR [--set a.b=value ...]
 
@@ -15,6 +15,9 @@ straight into the model's (fp32) parameters, the experts into their region of th
 tensor is checked against the shape config.json implies; a missing, unexpected, misshapen or
 unreadable tensor, a missing shard or an inexpressible config field is a ValueError naming it, and
 nothing is written (the run is assembled in a hidden folder and renamed into place at the end).
+DeepSeek-V3: FP8 block-quantised weights are dequantised to fp32 as they are read (hf/fp8.py, the
+scales read from whichever shard holds them); the multi-token-prediction layers (index >=
+num_hidden_layers) are skipped with a warning that says so.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import json
 import os
 import shutil
 import sys
+import warnings
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -32,7 +36,7 @@ import torch
 
 from ..config import DataConfig, ModelConfig, RunConfig, apply_overrides, save_config, to_dict
 from ..model import MoEModel
-from . import mapping
+from . import fp8, mapping
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -79,12 +83,14 @@ def shard_files(hf_dir: str | Path) -> list[Path]:
     raise ValueError(f"{d}: no {SINGLE_FILE} and no {INDEX_FILE}")
 
 
-def _tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _tensors(path: Path, only: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of a shard, one at a time; `only`: just that tensor, when it is there."""
     safe_open = _safetensors()
     try:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if only is None or name == only:
+                    yield name, f.get_tensor(name)
     except Exception as e:  # safetensors raises its own SafetensorError (truncated file, bad header)
         raise ValueError(f"{path}: cannot read safetensors file ({type(e).__name__}: {e})") from e
 
@@ -95,22 +101,34 @@ def load_weights(model: MoEModel, hf_dir: str | Path, family: str, progress: boo
     cfg = model.cfg
     table = {s.hf_name: s for s in mapping.slots(cfg, family)}
     alternates = {s.hf_name: s for s in mapping.fused_slots(cfg, family)}
-    params = dict(model.named_parameters())
+    params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     filled: dict[str, int] = defaultdict(int)
     seen: set[str] = set()
     unexpected: list[str] = []
+    mtp: set[int] = set()
+    block = fp8.block_size(read_config(hf_dir))
     files = shard_files(hf_dir)
+    index = Path(hf_dir) / INDEX_FILE
+    weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else {}
     bar = _progress(files, progress)
     for path in bar:
         for name, t in _tensors(path):
             slot = table.get(name) or alternates.get(name)
             if slot is None:
-                if not (name == "lm_head.weight" and cfg.tie_embeddings) and not name.endswith(IGNORED_SUFFIXES):
+                layer = _layer_index(name)
+                if family == "deepseek_v3" and layer is not None and layer >= cfg.n_layers:
+                    mtp.add(layer)  # a multi-token-prediction layer: not part of the model
+                elif name.endswith(fp8.SCALE_SUFFIX) and block is not None:
+                    pass  # read with its weight
+                elif not (name == "lm_head.weight" and cfg.tie_embeddings) and not name.endswith(IGNORED_SUFFIXES):
                     unexpected.append(name)
                 continue
-            if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            if t.dtype in fp8.FP8_DTYPES and block is not None:
+                t = fp8.dequantize(t, _scale_of(hf_dir, weight_map, name, path), block) if tuple(t.shape) == slot.shape else t
+            elif t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                 raise ValueError(f"tensor {name} in {path.name}: dtype {t.dtype} is not supported "
-                                 "(fp32, bf16, fp16; FP8 block-quantised weights are not yet)")
+                                 "(fp32, bf16, fp16, or float8_e4m3fn with block scales and a "
+                                 "quantization_config in config.json)")
             if tuple(t.shape) != slot.shape:
                 raise ValueError(f"tensor {name} in {path.name}: shape {tuple(t.shape)}, but config.json "
                                  f"implies {slot.shape}")
@@ -119,6 +137,10 @@ def load_weights(model: MoEModel, hf_dir: str | Path, family: str, progress: boo
             region.copy_(t.transpose(-1, -2) if slot.transpose else t)
             filled[slot.param] += t.numel()
             seen.add(name)
+    if mtp:
+        warnings.warn(f"{hf_dir}: skipped the multi-token-prediction layer(s) {sorted(mtp)} (layer index >= "
+                      f"num_hidden_layers={cfg.n_layers}): dropless neither trains nor exports MTP layers",
+                      stacklevel=2)
     if unexpected:
         raise ValueError(f"unexpected tensors (not part of a {family} model with this config.json): "
                          f"{', '.join(sorted(unexpected)[:8])}{' ...' if len(unexpected) > 8 else ''}")
@@ -128,6 +150,24 @@ def load_weights(model: MoEModel, hf_dir: str | Path, family: str, progress: boo
     missing = [s.hf_name for s in table.values() if s.hf_name not in seen and filled[s.param] < params[s.param].numel()]
     if missing:
         raise ValueError(f"missing tensors: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+
+
+def _layer_index(name: str) -> int | None:
+    parts = name.split(".")
+    if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+        return int(parts[2])
+    return None
+
+
+def _scale_of(hf_dir: str | Path, weight_map: dict[str, str], name: str, path: Path) -> torch.Tensor:
+    """The block scales of the FP8 weight `name` (read from `path`), from whichever shard the index
+    puts them in (one tensor read through the memory map)."""
+    scale = name + fp8.SCALE_SUFFIX
+    where = Path(hf_dir) / weight_map.get(scale, path.name)
+    for n, t in _tensors(where, only=scale):
+        return t
+    raise ValueError(f"tensor {name} in {path.name}: float8 weight without its {scale} "
+                     f"(looked in {where.name})")
 
 
 def _progress(items: list[Path], enabled: bool) -> Any:
@@ -197,8 +237,11 @@ def describe_balancing(cfg: ModelConfig, hf: dict[str, Any]) -> str:
         rules.append(f"global-batch aux loss {b.global_aux_loss_coeff:.4g}")
     if b.z_loss_coeff > 0:
         rules.append(f"z-loss {b.z_loss_coeff:.4g}")
-    if b.bias_update_rate > 0 or b.quantile_balance:
-        rules.append("expert-bias balancing")
+    if b.bias_update_rate > 0:
+        why = (f"{family}'s rule" if b.bias_update_rate == default.bias_update_rate else "set by --set")
+        rules.append(f"loss-free expert-bias balancing, step {b.bias_update_rate:.4g} per optimizer step ({why})")
+    if b.quantile_balance:
+        rules.append("quantile expert-bias balancing")
     return "balancing: " + ("; ".join(rules) if rules else "NONE (every balancing coefficient is 0)")
 
 
@@ -210,18 +253,13 @@ def copy_tokenizer(hf_dir: Path, dest: Path) -> list[str]:
     return copied
 
 
-def write_run(hf_dir: str | Path, out: str | Path, overrides: list[str] | None = None,
-              progress: bool = False) -> RunConfig:
-    """Import `hf_dir` as the run directory `out` (module note); returns its config."""
-    from ..train import checkpoint as ckpt
-    from ..train import dist_checkpoint
-    from ..train.optim import build_optimizer
+def check_out(hf_dir: Path, out: Path, overrides: list[str]) -> None:
+    """What write_run (and upcycle) refuse before reading any weight."""
     from ..train.resume import is_fixed
 
-    hf_dir, out = Path(hf_dir), Path(out).absolute()
-    for o in overrides or []:
+    for o in overrides:
         name = o.split("=", 1)[0].strip()
-        if is_fixed(name):  # the checkpoint written below must be the model config.json describes
+        if is_fixed(name):  # the checkpoint written must be the model config.json describes
             raise ValueError(f"--set {o}: {name} comes from config.json and the imported weights; "
                              "change it in a new run (dropless train --init-from hf:DIR --set ...)")
     if out.exists() and any(out.iterdir()):
@@ -229,11 +267,15 @@ def write_run(hf_dir: str | Path, out: str | Path, overrides: list[str] | None =
     if not (hf_dir / "tokenizer.json").is_file():
         raise ValueError(f"{hf_dir}: no tokenizer.json (the run trains and generates with the "
                          "checkpoint's own tokenizer)")
-    model_cfg, family = mapping.model_config(read_config(hf_dir))
-    cfg = run_config(model_cfg, out / "tokenizer" / "tokenizer.json", overrides or [])  # fails before loading
-    shard_files(hf_dir)
-    model = MoEModel(cfg.model)  # (only balancing/compute fields of model. may differ from model_cfg)
-    load_weights(model, hf_dir, family, progress)
+
+
+def save_run(model: MoEModel, cfg: RunConfig, hf_dir: Path, out: Path, extra: dict[str, Any]) -> None:
+    """Write `model` as the step-0 checkpoint of the run directory `out` with its config.toml and
+    the checkpoint's tokenizer files, assembled hidden and renamed into place (nothing left on error)."""
+    from ..train import checkpoint as ckpt
+    from ..train import dist_checkpoint
+    from ..train.optim import build_optimizer
+
     tmp = out.parent / f".{out.name}.import-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -246,21 +288,34 @@ def write_run(hf_dir: str | Path, out: str | Path, overrides: list[str] | None =
             raise ValueError(f"tokenizer.json: {vocab} tokens, more than config.json vocab_size="
                              f"{cfg.model.vocab_size}")
         state = {"step": 0, "rng": ckpt.rng_state(), "config": to_dict(cfg), "world_size": 1,
-                 "imported_from": str(hf_dir.absolute()), "family": family}
+                 "imported_from": str(hf_dir.absolute()), **extra}
         dist_checkpoint.save(tmp, 0, model, build_optimizer(model, cfg.train), state)
         save_config(cfg, tmp / "config.toml")
         if out.exists():
-            out.rmdir()  # empty (checked above)
+            out.rmdir()  # empty (check_out)
         os.replace(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+
+
+def write_run(hf_dir: str | Path, out: str | Path, overrides: list[str] | None = None,
+              progress: bool = False) -> RunConfig:
+    """Import `hf_dir` as the run directory `out` (module note); returns its config."""
+    hf_dir, out = Path(hf_dir), Path(out).absolute()
+    check_out(hf_dir, out, overrides or [])
+    model_cfg, family = mapping.model_config(read_config(hf_dir))
+    cfg = run_config(model_cfg, out / "tokenizer" / "tokenizer.json", overrides or [])  # fails before loading
+    shard_files(hf_dir)
+    model = MoEModel(cfg.model)  # (only balancing/compute fields of model. may differ from model_cfg)
+    load_weights(model, hf_dir, family, progress)
+    save_run(model, cfg, hf_dir, out, {"family": family})
     return cfg
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dropless import-hf",
-                                description="Import a Hugging Face Qwen3-MoE or Mixtral checkpoint as a run.")
+                                description="Import a Hugging Face Qwen3-MoE, Mixtral or DeepSeek-V3 checkpoint as a run.")
     p.add_argument("hf_dir", metavar="DIR", help="folder with config.json, *.safetensors, tokenizer.json")
     p.add_argument("--out", required=True, metavar="RUN_DIR", help="the run directory to write")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="a.b=value",

@@ -1,4 +1,5 @@
-"""Hugging Face <-> dropless for Qwen3-MoE and Mixtral: the config translation and the tensor map.
+"""Hugging Face <-> dropless for Qwen3-MoE, Mixtral and DeepSeek-V3: the config translation and the
+tensor map (DeepSeek-V3's own parts: hf/deepseek.py).
 
 Legend: E experts, D model width, F hidden width of one expert (or of the dense MLP), Hq query heads,
 Hkv key/value heads, Dh head width, V vocabulary.
@@ -50,9 +51,11 @@ from typing import Any
 
 from ..config import ModelConfig
 from ..moe_config import BalanceConfig, MoEConfig, RouterConfig
+from . import deepseek
 
-FAMILIES = ("qwen3_moe", "mixtral")
-ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
+ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "deepseek_v3": "DeepseekV3ForCausalLM"}
 _MISSING = object()
 
 
@@ -60,7 +63,7 @@ _MISSING = object()
 class Slot:
     hf_name: str
     shape: tuple[int, ...]  # the HF tensor's shape
-    param: str  # dropless parameter name (as in model.named_parameters())
+    param: str  # dropless parameter or buffer name (as in model.state_dict())
     index: tuple[Any, ...] = ()  # the region of the parameter (empty: all of it)
     transpose: bool = False  # the HF tensor is the region with its last two dims swapped
 
@@ -116,6 +119,8 @@ def model_config(hf: dict[str, Any]) -> tuple[ModelConfig, str]:
         _refuse("hidden_act", hf["hidden_act"], "only silu (SwiGLU experts) is supported")
     if float(hf.get("attention_dropout", 0.0) or 0.0) != 0.0:
         _refuse("attention_dropout", hf["attention_dropout"], "dropless has no attention dropout")
+    if family == "deepseek_v3":
+        return deepseek.model_config(hf, _field, _refuse, rope_theta), family
     d, n_layers, H = _field(hf, "hidden_size"), _field(hf, "num_hidden_layers"), _field(hf, "num_attention_heads")
     max_pos = _field(hf, "max_position_embeddings")
     if family == "qwen3_moe":
@@ -168,28 +173,36 @@ def check_exportable(cfg: ModelConfig, family: str) -> None:
         ("model.moe.activation", m.activation, m.activation != "swiglu", "SwiGLU experts only"),
         ("model.moe.act_clamp", m.act_clamp, m.act_clamp is not None, "no activation clamp"),
         ("model.moe.act_softcap", m.act_softcap, m.act_softcap is not None, "no activation softcap"),
-        ("model.moe.n_shared_experts", m.n_shared_experts, m.n_shared_experts > 0, "no shared experts"),
         ("model.moe.capacity_factor", m.capacity_factor, m.capacity_factor is not None,
          "dropless routing only: no capacity drops"),
         ("model.moe.router.strategy", r.strategy, r.strategy != "token_choice", "token-choice top-k only"),
-        ("model.moe.router.score_func", r.score_func, r.score_func != "softmax", "softmax router scores only"),
-        ("model.moe.router.pre_softmax", r.pre_softmax, not r.pre_softmax, "softmax over all experts, then top-k"),
-        ("model.moe.router.scaling_factor", r.scaling_factor, r.scaling_factor != 1.0, "no routing scale"),
-        ("model.moe.router.n_groups", r.n_groups, r.n_groups != 1, "no group-limited routing"),
-        ("model.moe.router.use_expert_bias", r.use_expert_bias, r.use_expert_bias, "no expert bias"),
         ("model.moe.router.norm_top_k", r.norm_top_k,
          r.norm_top_k is not None and r.norm_top_k != m.top_k, "weights normalised over the top_k run"),
         ("model.n_dense_layers", cfg.n_dense_layers, cfg.n_moe_layers == 0, "no MoE layer"),
+        ("model.qk_norm", cfg.qk_norm, cfg.qk_norm and family != "qwen3_moe", "no q/k RMSNorm"),
+        ("model.rope_yarn.factor", cfg.rope_yarn.factor, cfg.rope_yarn.factor != 1.0 and family != "deepseek_v3",
+         "plain rotary only here (yarn: deepseek_v3)"),
     ]
+    if family == "deepseek_v3":
+        checks += deepseek.checks(cfg)
+    else:
+        checks += [
+            ("model.attention", cfg.attention, cfg.attention != "standard", "multi-head / grouped-query only"),
+            ("model.moe.n_shared_experts", m.n_shared_experts, m.n_shared_experts > 0, "no shared experts"),
+            ("model.moe.router.score_func", r.score_func, r.score_func != "softmax", "softmax router scores only"),
+            ("model.moe.router.pre_softmax", r.pre_softmax, not r.pre_softmax, "softmax over all experts, then top-k"),
+            ("model.moe.router.scaling_factor", r.scaling_factor, r.scaling_factor != 1.0, "no routing scale"),
+            ("model.moe.router.n_groups", r.n_groups, r.n_groups != 1, "no group-limited routing"),
+            ("model.moe.router.use_expert_bias", r.use_expert_bias, r.use_expert_bias, "no expert bias"),
+        ]
     if family == "mixtral":
         checks += [
-            ("model.qk_norm", cfg.qk_norm, cfg.qk_norm, "no q/k RMSNorm"),
             ("model.attn_bias", cfg.attn_bias, cfg.attn_bias, "no attention biases"),
             ("model.n_dense_layers", cfg.n_dense_layers, cfg.n_dense_layers > 0, "every layer is MoE"),
             ("model.moe.router.renormalize", r.renormalize, not renormalises(cfg),
              "the top-k weights are always renormalised (with top_k=1: set norm_top_k=1)"),
         ]
-    else:
+    elif family == "qwen3_moe":
         checks.append(("model.qk_norm", cfg.qk_norm, not cfg.qk_norm, "Qwen3 always normalises q and k"))
     for field, value, bad, why in checks:
         if bad:
@@ -203,7 +216,7 @@ def hf_config(cfg: ModelConfig, family: str, dtype: str = "float32") -> dict[str
     out: dict[str, Any] = {
         "architectures": [ARCHITECTURES[family]], "model_type": family, "dtype": dtype,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_width,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads,
         "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "initializer_range": cfg.init_std,
         "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
@@ -213,7 +226,13 @@ def hf_config(cfg: ModelConfig, family: str, dtype: str = "float32") -> dict[str
         # that no family default (Mixtral: bos 1, eos 2) is taken for this tokenizer's ids
         "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
     }
-    if family == "qwen3_moe":
+    if family != "deepseek_v3":
+        out["head_dim"] = cfg.head_width  # (DeepSeek-V3's config derives it: qk_rope_head_dim)
+    if family == "deepseek_v3":
+        out.update(deepseek.hf_config(cfg))
+        out["norm_topk_prob"] = renormalises(cfg)
+        del out["router_aux_loss_coef"]  # (the family has no aux loss field; its rule: hf/deepseek.py)
+    elif family == "qwen3_moe":
         out.update({"num_experts": m.num_experts, "moe_intermediate_size": m.d_expert,
                     "norm_topk_prob": renormalises(cfg), "decoder_sparse_step": 1,
                     "mlp_only_layers": list(range(cfg.n_dense_layers)), "intermediate_size": cfg.d_ff_dense,
@@ -225,38 +244,29 @@ def hf_config(cfg: ModelConfig, family: str, dtype: str = "float32") -> dict[str
 
 
 def _moe_prefix(family: str, i: int) -> str:
-    return f"model.layers.{i}." + ("mlp" if family == "qwen3_moe" else "block_sparse_moe")
+    return f"model.layers.{i}." + ("block_sparse_moe" if family == "mixtral" else "mlp")
 
 
 def _expert_names(family: str) -> tuple[str, str, str]:
-    return ("gate_proj", "up_proj", "down_proj") if family == "qwen3_moe" else ("w1", "w3", "w2")
+    return ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
 
 
 def slots(cfg: ModelConfig, family: str) -> list[Slot]:
     """Every tensor of the HF checkpoint (the per-expert layout save_pretrained writes), in the
     module note's map."""
-    D, V, Dh = cfg.d_model, cfg.vocab_size, cfg.head_width
-    Hq, Hkv = cfg.n_heads * Dh, cfg.kv_heads * Dh  # rows of the q and of the k (or v) projection
+    D, V = cfg.d_model, cfg.vocab_size
     out = [Slot("model.embed_tokens.weight", (V, D), "embed.weight"), Slot("model.norm.weight", (D,), "norm.weight")]
     if not cfg.tie_embeddings:
         out.append(Slot("lm_head.weight", (V, D), "head.weight"))
     for i in range(cfg.n_layers):
         hf, dl = f"model.layers.{i}.", f"blocks.{i}."
-        a, qkv = hf + "self_attn.", dl + "attn.qkv."
         out += [Slot(hf + "input_layernorm.weight", (D,), dl + "attn_norm.weight"),
-                Slot(hf + "post_attention_layernorm.weight", (D,), dl + "ffn_norm.weight"),
-                Slot(a + "o_proj.weight", (D, Hq), dl + "attn.out.weight")]
-        rows = {"q_proj": slice(0, Hq), "k_proj": slice(Hq, Hq + Hkv), "v_proj": slice(Hq + Hkv, Hq + 2 * Hkv)}
-        for name, r in rows.items():
-            out.append(Slot(f"{a}{name}.weight", (r.stop - r.start, D), qkv + "weight", (r,)))
-            if cfg.attn_bias:
-                out.append(Slot(f"{a}{name}.bias", (r.stop - r.start,), qkv + "bias", (r,)))
-        if cfg.attn_bias:
-            out.append(Slot(a + "o_proj.bias", (D,), dl + "attn.out.bias"))
-        if cfg.qk_norm:
-            out += [Slot(a + "q_norm.weight", (Dh,), dl + "attn.q_norm.weight"),
-                    Slot(a + "k_norm.weight", (Dh,), dl + "attn.k_norm.weight")]
-        if i < cfg.n_dense_layers:  # Qwen3's dense MLP (check_exportable keeps Mixtral all-MoE)
+                Slot(hf + "post_attention_layernorm.weight", (D,), dl + "ffn_norm.weight")]
+        if cfg.attention == "mla":
+            out += deepseek.attention_slots(cfg, hf, dl, Slot)
+        else:
+            out += _attention_slots(cfg, hf, dl)
+        if i < cfg.n_dense_layers:  # Qwen3's or DeepSeek's dense MLP (check_exportable keeps Mixtral all-MoE)
             F = cfg.d_ff_dense
             out += [Slot(hf + "mlp.gate_proj.weight", (F, D), dl + "ffn.gate_up.weight", (slice(0, F),)),
                     Slot(hf + "mlp.up_proj.weight", (F, D), dl + "ffn.gate_up.weight", (slice(F, 2 * F),)),
@@ -266,11 +276,32 @@ def slots(cfg: ModelConfig, family: str) -> list[Slot]:
         gate, up, down = _expert_names(family)
         w1, w2 = dl + "ffn.experts.w_gate_up_EDF", dl + "ffn.experts.w_down_EFD"
         out.append(Slot(p + ".gate.weight", (E, D), dl + "ffn.router.weight"))
+        if family == "deepseek_v3":
+            out += deepseek.moe_extra_slots(cfg, hf, dl, Slot)
         for e in range(E):
             x = f"{p}.experts.{e}."
             out += [Slot(x + gate + ".weight", (F, D), w1, (e, slice(None), slice(0, F)), True),
                     Slot(x + up + ".weight", (F, D), w1, (e, slice(None), slice(F, 2 * F)), True),
                     Slot(x + down + ".weight", (D, F), w2, (e,), True)]
+    return out
+
+
+def _attention_slots(cfg: ModelConfig, hf: str, dl: str) -> list[Slot]:
+    """One layer's multi-head / grouped-query attention (the module note's first rows)."""
+    D, Dh = cfg.d_model, cfg.head_width
+    Hq, Hkv = cfg.n_heads * Dh, cfg.kv_heads * Dh  # rows of the q and of the k (or v) projection
+    a, qkv = hf + "self_attn.", dl + "attn.qkv."
+    out = [Slot(a + "o_proj.weight", (D, Hq), dl + "attn.out.weight")]
+    rows = {"q_proj": slice(0, Hq), "k_proj": slice(Hq, Hq + Hkv), "v_proj": slice(Hq + Hkv, Hq + 2 * Hkv)}
+    for name, r in rows.items():
+        out.append(Slot(f"{a}{name}.weight", (r.stop - r.start, D), qkv + "weight", (r,)))
+        if cfg.attn_bias:
+            out.append(Slot(f"{a}{name}.bias", (r.stop - r.start,), qkv + "bias", (r,)))
+    if cfg.attn_bias:
+        out.append(Slot(a + "o_proj.bias", (D,), dl + "attn.out.bias"))
+    if cfg.qk_norm:
+        out += [Slot(a + "q_norm.weight", (Dh,), dl + "attn.q_norm.weight"),
+                Slot(a + "k_norm.weight", (Dh,), dl + "attn.k_norm.weight")]
     return out
 
 

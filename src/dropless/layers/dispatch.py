@@ -52,6 +52,9 @@ class DispatchMeta:
     num_local: int  # groups in ExpertBatch.offsets_E: experts [first_expert, first_expert + num_local)
     link_demand: torch.Tensor | None = None  # int64 scalar: EP, most pairs routed over one link
     pairs_spilled: torch.Tensor | None = None  # int64 scalar: EP spill, pairs sent in the second exchange
+    # hot-expert replicas: the global expert of each of the batch's groups (E: an unused slot); None:
+    # groups are experts [first_expert, first_expert + num_local)
+    expert_of_group: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

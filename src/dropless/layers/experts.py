@@ -33,6 +33,7 @@ the wgrad operands in blocks along tokens, so every expert group must be whole t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -55,6 +56,9 @@ class ExpertBatch:
     # how x_RD was gathered from the token rows (local dispatch): lets the lean experts re-gather
     # the rows in the backward instead of keeping them; None (expert parallel, direct calls): keep x_RD
     source: RowSource | None = None
+    # (w_gate_up, w_down) -> the weights of the batch's groups, when they are more than the module's
+    # own (hot-expert replicas, distributed/ep_replicas.py: the copies fetched from their owners)
+    grow: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 def resolve_backend(backend: str, capacity_mode: bool) -> str:
@@ -86,7 +90,10 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.w_down_EFD, std=self.w_down_EFD.shape[1] ** -0.5)
 
     def forward(self, batch: ExpertBatch) -> torch.Tensor:
-        return run_experts(self, batch.x_RD, self.w_gate_up_EDF, self.w_down_EFD, batch)
+        w_up, w_down = self.w_gate_up_EDF, self.w_down_EFD
+        if batch.grow is not None:
+            w_up, w_down = batch.grow(w_up, w_down)
+        return run_experts(self, batch.x_RD, w_up, w_down, batch)
 
 
 def expert_gemm(x_RD: torch.Tensor, w_EDF: torch.Tensor, batch: ExpertBatch, backend: str,

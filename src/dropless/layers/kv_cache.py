@@ -7,9 +7,10 @@ One `LayerKVCache` per attention layer holds preallocated [B, H, C, Dh] key and 
 writes its S new keys/values in place at [length, length + S) and attends over the first L. Buffers
 are allocated on the first write, with the dtype and device of the keys (fp32, or bf16 under
 autocast), so the cache needs no knowledge of the model's dtype. The per-layer object is the seam for
-other attention variants: a grouped-query layer stores fewer heads H (its queries repeat them), a
-latent (MLA) layer would store its compressed latent instead of K and V, each with its own `append`;
-the model asks nothing else of it.
+other attention variants: a grouped-query layer stores fewer heads H (its queries repeat them); a
+latent (MLA, layers/mla.py) layer stores its expanded per-head keys and values, whose widths differ
+(`v_dim`), not the compressed latent (the simplest correct choice: more bytes, no re-expansion); the
+model asks nothing else of it.
 
 `KVCache` holds the layers and what they share: the number of positions written (`length`) and which
 of them are real tokens (`valid_BC`), from which it builds the attention mask of each call. Batches
@@ -34,8 +35,9 @@ class LayerKVCache:
     """Preallocated keys and values of one attention layer (H = the key/value heads: the query heads
     for multi-head attention, fewer for grouped-query)."""
 
-    def __init__(self, batch: int, n_heads: int, capacity: int, head_dim: int) -> None:
+    def __init__(self, batch: int, n_heads: int, capacity: int, head_dim: int, v_dim: int | None = None) -> None:
         self.shape = (batch, n_heads, capacity, head_dim)
+        self.v_shape = (batch, n_heads, capacity, v_dim or head_dim)
         self.k_BHCDh: torch.Tensor | None = None
         self.v_BHCDh: torch.Tensor | None = None
         self.length = 0
@@ -45,7 +47,7 @@ class LayerKVCache:
         S = k_BHSDh.shape[2]
         if self.k_BHCDh is None:
             self.k_BHCDh = k_BHSDh.new_empty(self.shape)
-            self.v_BHCDh = v_BHSDh.new_empty(self.shape)
+            self.v_BHCDh = v_BHSDh.new_empty(self.v_shape)
         if k_BHSDh.shape[:2] != self.shape[:2] or self.length + S > self.shape[2]:
             raise ValueError(f"KV cache of shape {self.shape} holding {self.length}: cannot append keys "
                              f"of shape {tuple(k_BHSDh.shape)}")
@@ -60,8 +62,8 @@ class KVCache:
     """The caches of every layer of a model, and the token validity they share."""
 
     def __init__(self, n_layers: int, batch: int, capacity: int, n_heads: int, head_dim: int,
-                 device: torch.device | str) -> None:
-        self.layers = [LayerKVCache(batch, n_heads, capacity, head_dim) for _ in range(n_layers)]
+                 device: torch.device | str, v_dim: int | None = None) -> None:
+        self.layers = [LayerKVCache(batch, n_heads, capacity, head_dim, v_dim) for _ in range(n_layers)]
         self.valid_BC = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
         self.capacity = capacity
         self.length = 0
@@ -69,7 +71,8 @@ class KVCache:
     @classmethod
     def for_model(cls, model: torch.nn.Module, batch: int, capacity: int) -> "KVCache":
         cfg = model.cfg
-        return cls(cfg.n_layers, batch, capacity, cfg.kv_heads, cfg.head_width, model.embed.weight.device)
+        return cls(cfg.n_layers, batch, capacity, cfg.kv_heads, cfg.head_width, model.embed.weight.device,
+                   cfg.value_width)
 
     def begin(self, S: int, valid_BS: torch.Tensor | None) -> torch.Tensor:
         """Record the validity of the S tokens of the next call (None: all real) and return its

@@ -126,19 +126,22 @@ class MoELayer(nn.Module):
         x_TD = x.reshape(-1, shape[-1])
         replay_TK = replay_ids.reshape(-1, self.cfg.top_k) if replay_ids is not None else None
         decision = self.router(x_TD, replay_TK, token_ids)
+        shared_TD = None
         if decode_experts.applies(self.experts, self.dispatcher, decision, x_TD.shape[0],
                                   self.decode_max_tokens, self.detailed_stats):
             y_TD = decode_experts.row_sum_experts(x_TD, decision, self.experts)
             batch, meta, y_RD = None, decode_experts.no_drop_meta(decision, self.cfg.num_experts), None
         else:
-            batch, meta = self.dispatcher.dispatch(x_TD, decision)
+            if self.shared is not None and getattr(self.dispatcher, "overlap_shared", False):
+                # EP: the shared experts run while the token rows are in flight (distributed/ep.py)
+                batch, meta, shared_TD = self.dispatcher.dispatch_overlapped(x_TD, decision,
+                                                                             lambda: self._shared(x_TD))
+            else:
+                batch, meta = self.dispatcher.dispatch(x_TD, decision)
             y_RD = self.experts(batch)
             y_TD = self.dispatcher.combine(y_RD, meta)
         if self.shared is not None:
-            if self.recompute_shared and torch.is_grad_enabled():  # layers/recompute.py
-                y_TD = y_TD + recompute.recomputed(self.shared, x_TD)
-            else:
-                y_TD = y_TD + self.shared(x_TD)
+            y_TD = y_TD + (shared_TD if shared_TD is not None else self._shared(x_TD))
         E, K = self.cfg.num_experts, self.cfg.top_k
         counts_E = routing.expert_counts(decision.ids_TK, E, decision.valid_TK)
         probs_TE = routing.router_probs(decision.scores_TE, self.cfg.router.score_func)
@@ -160,13 +163,21 @@ class MoELayer(nn.Module):
             valid_TK=decision.valid_TK,
         )
 
+    def _shared(self, x_TD: torch.Tensor) -> torch.Tensor:
+        if self.recompute_shared and torch.is_grad_enabled():  # layers/recompute.py
+            return recompute.recomputed(self.shared, x_TD)
+        return self.shared(x_TD)
+
     def _stats(self, decision: RoutingDecision, counts_E: torch.Tensor, probs_TE: torch.Tensor,
                meta: DispatchMeta, y_RD: torch.Tensor, batch: ExpertBatch) -> MoEStats:
         extra: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             if self.detailed_stats:
                 out_sq = expert_out_sq(y_RD, batch.offsets_E, batch.weights_R)
-                if meta.num_local < self.cfg.num_experts:  # expert parallel: this rank's experts only
+                if meta.expert_of_group is not None:  # hot-expert replicas: a copy's rows count for its expert
+                    E = self.cfg.num_experts
+                    out_sq = out_sq.new_zeros(E + 1).index_add_(0, meta.expert_of_group, out_sq)[:E]
+                elif meta.num_local < self.cfg.num_experts:  # expert parallel: this rank's experts only
                     first = meta.first_expert
                     last = self.cfg.num_experts - first - meta.num_local
                     out_sq = torch.nn.functional.pad(out_sq, (first, last))

@@ -20,6 +20,10 @@ Rules:
 - bf16_flips: the bf16-vs-fp32 selection flip rate above `flip_bf16`.
 - nonfinite (whole model, `layer` None): steps of the interval skipped for a non-finite loss or
   gradient norm (the record's `nonfinite_steps`, train/nonfinite.py).
+- a2a_slow (whole model): the interval's EP all-to-all milliseconds per step (the record's `a2a_ms`,
+  the slowest rank's, distributed/watch.py) above `a2a_slow_ratio` x the run's own baseline: the
+  median of the `a2a_baseline_rows` rows after the first (the first log step, step 0, pays for
+  first-call setup). A slow link shows here while all-reduce-bound figures look fine.
 
 Balance alarms wait for `warmup_steps` (the trainer passes the learning-rate warm-up);
 `thresholds_for_run` gives a finished run's thresholds, so a report that replays the rules over its
@@ -29,6 +33,7 @@ routing.jsonl holds the same alarms back as the trainer did.
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -68,6 +73,12 @@ ADVICE = {
                   "a few are harmless; many point to a learning rate too high (lower train.lr, longer "
                   "warm-up), bf16 overflow (train.dtype=fp32, moe.act_clamp) or bad data; the run stops "
                   "after train.max_nonfinite_steps in a row"),
+    "a2a_slow": ("the expert-parallel all-to-all takes longer than it did early in the run: a slow or "
+                 "congested link, a straggler rank (a hot expert, a throttled or shared node) that the "
+                 "others wait for inside the exchange",
+                 "compare `dropless bench a2a --nproc N` on the same group (all-to-all against "
+                 "all-reduce bandwidth) with a healthy node; look for the rank whose step time grew; "
+                 "check the interconnect's error and congestion counters"),
 }
 
 
@@ -90,6 +101,8 @@ class AlarmThresholds:
     # from a freshly initialised router swings hard during the learning-rate warm-up and settles after.
     # Correctness alarms (drops, overflow, rogue or dying experts, bf16 flips) are never held back.
     warmup_steps: int = 0
+    a2a_slow_ratio: float = 1.5  # parallel.a2a_alarm_ratio
+    a2a_baseline_rows: int = 5
 
 
 @dataclass
@@ -127,12 +140,14 @@ class HealthMonitor:
     _zero_streak: dict[tuple[int, int], int] = field(default_factory=dict)
     _bias_hist: dict[int, list[float]] = field(default_factory=dict)
     _reported: set[tuple[int | None, str]] = field(default_factory=set)
+    _a2a_rows: list[float] = field(default_factory=list)
 
     def check(self, record: dict) -> list[Alarm]:
         step = int(record["step"])
         fired = [a for i, row in enumerate(record["layers"]) for a in self._rules(i, step, row)]
         if record.get("nonfinite_steps"):
             fired.append(_alarm("nonfinite", None, step, "nonfinite_steps", record["nonfinite_steps"], 0))
+        fired += self._a2a_rule(step, record.get("a2a_ms"))
         if step < self.thresholds.warmup_steps:
             fired = [a for a in fired if a.kind not in BALANCE_KINDS]
         new = []
@@ -150,6 +165,19 @@ class HealthMonitor:
                 with path.open("a") as fh:
                     fh.write(json.dumps(asdict(a)) + "\n")
         return new
+
+    def _a2a_rule(self, step: int, a2a_ms: float | None) -> list[Alarm]:
+        th = self.thresholds
+        if a2a_ms is None:
+            return []
+        self._a2a_rows.append(a2a_ms)
+        base_rows = self._a2a_rows[1:th.a2a_baseline_rows + 1]  # the first row: step 0's setup
+        if len(self._a2a_rows) <= th.a2a_baseline_rows + 1:  # still the baseline
+            return []
+        base = statistics.median(base_rows)
+        if base > 0 and a2a_ms > th.a2a_slow_ratio * base:
+            return [_alarm("a2a_slow", None, step, "a2a_ms_over_baseline", a2a_ms / base, th.a2a_slow_ratio)]
+        return []
 
     def _rules(self, i: int, step: int, row: dict) -> Iterator[Alarm]:
         th = self.thresholds
@@ -200,12 +228,13 @@ class HealthMonitor:
 def thresholds_for_run(run_dir: str | Path) -> AlarmThresholds:
     """The thresholds the trainer used for the run in `run_dir`: the defaults, with the balance alarms
     held back for the run's learning-rate warm-up (train.warmup_steps in its config.toml; 0 when the
-    run has no config, e.g. a record written outside the trainer)."""
+    run has no config, e.g. a record written outside the trainer) and its all-to-all alarm ratio."""
     from ..configtree import load_toml
 
     path = Path(run_dir) / "config.toml"
-    warmup = load_toml(path).get("train", {}).get("warmup_steps", 0) if path.is_file() else 0
-    return AlarmThresholds(warmup_steps=int(warmup))
+    cfg = load_toml(path) if path.is_file() else {}
+    return AlarmThresholds(warmup_steps=int(cfg.get("train", {}).get("warmup_steps", 0)),
+                           a2a_slow_ratio=float(cfg.get("parallel", {}).get("a2a_alarm_ratio", 1.5)))
 
 
 def read_alarms(run_dir: str | Path) -> list[dict]:

@@ -34,8 +34,11 @@ is a stand-in that records the storage's size and allocates nothing (`_HostCopyS
 
 Expert parallelism changes only the expert GEMMs' row count (R: the received rows, which in the
 buffered mode are the fixed buffer of factor x the balanced need), so the MoE block is measured on one
-device and its experts' share is replaced: minus the experts on the local T*K rows, plus the L local
-experts on R rows, both measured on fake tensors the same way. The substitution goes where the
+device and its experts' share is replaced: minus the experts on the local T*K rows as the one-device
+dispatcher runs them (with a row source: the lean experts keep a reference to the token rows, no
+rows), plus the L local experts on R rows as the EP dispatcher runs them (no row source: the lean
+experts keep the R received rows, D wide, in the compute dtype), both measured on fake tensors the
+same way. The substitution goes where the
 experts' saved tensors go: nowhere when the experts are recomputed (`moe`, `layer`: the recompute
 repeats the all-to-alls and keeps no dispatched rows, docs/memory.md), into the host bytes when they
 are offloaded (`layer`, `moe`, `experts`), else into the device bytes.
@@ -59,6 +62,7 @@ from ..layers import recompute as recompute_mod
 from ..layers.experts import ExpertBatch, GroupedExperts
 from ..model import Block, RMSNorm, rotary_tables
 from ..ops import grouped_gemm
+from ..ops.lean_experts import RowSource
 from ..saved_bytes import saved_bytes
 
 
@@ -278,9 +282,13 @@ def head_bytes(cfg: ModelConfig, batch: int, seq_len: int, bf16: bool) -> int:
             return saved_bytes(run, x, exclude=params).bytes
 
 
-def expert_bytes(cfg: ModelConfig, num_experts: int, rows: int, bf16: bool) -> int:
-    """What the experts' GEMMs and activation keep for `rows` rows (their fp32 input rows left out:
-    the first GEMM keeps its own cast copy under autocast, and counts them as saved otherwise)."""
+def expert_bytes(cfg: ModelConfig, num_experts: int, rows: int, bf16: bool, local: bool = False) -> int:
+    """What the experts' GEMMs and activation keep for `rows` rows. `local`: as the one-device
+    dispatcher runs them, with a row source (layers/dispatch.py): the lean experts keep a reference
+    to the token rows and their indices (both counted where the block keeps them, so left out here)
+    and no rows. Otherwise as the EP dispatcher runs them, without one: the lean experts keep the
+    [rows, D] rows in the compute dtype (under autocast the cast copy, else the rows themselves),
+    counted here."""
     moe = _plannable(cfg).moe
     with fake_world():
         experts = GroupedExperts(num_experts, cfg.d_model, moe.d_expert, moe.activation, moe.act_clamp,
@@ -289,9 +297,14 @@ def expert_bytes(cfg: ModelConfig, num_experts: int, rows: int, bf16: bool) -> i
         x_RD = torch.empty(rows, cfg.d_model, requires_grad=True)
         w_R = torch.empty(rows, requires_grad=True)
         offsets = torch.full((num_experts,), rows, dtype=torch.int32)
+        exclude = list(experts.parameters())
+        source = None
+        if local:
+            source = RowSource(torch.empty(rows, cfg.d_model), torch.empty(rows, dtype=torch.int64), False)
+            exclude += [source.x_TD, source.src_R]
         with _autocast(bf16):
-            return saved_bytes(lambda x, w: experts(ExpertBatch(x, offsets, weights_R=w)), x_RD, w_R,
-                               exclude=list(experts.parameters()), include_inputs=False).bytes
+            return saved_bytes(lambda x, w: experts(ExpertBatch(x, offsets, weights_R=w, source=source)), x_RD,
+                               w_R, exclude=exclude, include_inputs=False).bytes
 
 
 def experts_kept_on(cfg: ModelConfig) -> str:
@@ -317,7 +330,7 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, bf16: bool,
     if n_moe and ep_rows is not None and where != "recomputed":
         L, R = ep_rows
         E, K = cfg.moe.num_experts, cfg.moe.top_k
-        delta = expert_bytes(cfg, L, R, bf16) - expert_bytes(cfg, E, T * K, bf16)
+        delta = expert_bytes(cfg, L, R, bf16) - expert_bytes(cfg, E, T * K, bf16, local=True)
         if where == "host":
             moe_host += delta
         else:

@@ -4,7 +4,8 @@ Per micro-batch the MoE layers' statistics (device tensors) go into a `StepAccum
 optimizer step the step's counts are summed over data-parallel ranks and feed the balancing rules
 that move router buffers (loss-free bias, quantile balancing, expert-threshold EMA): once per
 optimizer step, outside the forward pass, so gradient accumulation or recompute never count a step
-twice. Per log interval: one host sync for the whole record, probe-batch flip rates, the alarms.
+twice. Per log interval: one host sync for the whole record, probe-batch flip rates, the alarms;
+under EP also the interval's all-to-all time per step (distributed/watch.py), for its alarm.
 
 A skipped step changes nothing. The trainer skips a step on the device (a non-finite loss or
 gradient norm, train/nonfinite.py; buffered EP overflow without retry, overflow.py) and passes the
@@ -26,7 +27,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 import contextlib
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -36,6 +37,9 @@ from ..layers.moe import MoELayer
 from ..model import MoEModel, ModelOutput
 from ..monitor import stats as mstats
 from ..monitor.alarms import AlarmThresholds, HealthMonitor
+
+if TYPE_CHECKING:
+    from ..distributed.watch import CommWatch
 
 AllReduce = Callable[[torch.Tensor, str], None]  # (tensor, "sum" | "max"), in place
 
@@ -47,7 +51,8 @@ def _no_reduce(t: torch.Tensor, op: str) -> None:
 class TrainHealth:
     def __init__(self, model: MoEModel, run_dir: Path, probe_BS: torch.Tensor,
                  all_reduce: AllReduce | None = None, echo: bool = True, write: bool = True,
-                 alarm_warmup: int = 0) -> None:
+                 alarm_warmup: int = 0, a2a_watch: "CommWatch | None" = None,
+                 a2a_alarm_ratio: float = 1.5) -> None:
         self.model = model
         self.layers: list[MoELayer] = model.moe_layers()
         moe = model.cfg.moe
@@ -57,7 +62,9 @@ class TrainHealth:
         self.acc = mstats.StepAccumulator(len(self.layers), moe.num_experts, moe.top_k, dev)
         self.write = write
         self.monitor = HealthMonitor(run_dir if write else None, echo=echo and write,
-                                     thresholds=AlarmThresholds(warmup_steps=alarm_warmup))
+                                     thresholds=AlarmThresholds(warmup_steps=alarm_warmup,
+                                                                a2a_slow_ratio=a2a_alarm_ratio))
+        self.a2a_watch = a2a_watch  # EP runs: the step's all-to-all time joins the record
         self.probe_BS = probe_BS
         self.prev_probe_ids: list[torch.Tensor | None] = [None] * len(self.layers)
         self._quantile: list[torch.Tensor] = []
@@ -201,6 +208,10 @@ class TrainHealth:
         self.acc.all_reduce(self.reduce)
         row = self.acc.record(step, flip_bf16=flip_bf16, flip_step=flip_step, overflow=overflow,
                               bias=[layer.router.expert_bias for layer in self.layers])
+        if self.a2a_watch is not None:  # the slowest rank's all-to-all ms per step of the interval
+            a2a_ms = self.a2a_watch.take_a2a_ms()
+            self.reduce(a2a_ms, "max")
+            row["a2a_ms"] = a2a_ms.item()
         if self.write:
             with (run_dir / "routing.jsonl").open("a") as fh:
                 fh.write(json.dumps(row) + "\n")

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from ..config import RunConfig, save_config, to_dict
 from ..distributed import parallelize as par
+from ..distributed.watch import build_watch, watch_step
 from ..model import MoEModel
 from . import checkpoint as ckpt
 from . import dist_checkpoint
@@ -55,6 +56,7 @@ from .optim import build_optimizer, step_unless
 from .replay_data import ReplayData
 from .resume import check_resume_config, report_resume
 from .ep_buffers import AdaptiveBuffers
+from .ep_replicas_train import HotReplicas
 from .overflow import OverflowGuard
 from .schedule import lr_at
 from .sinks import JsonlLog, Progress, TensorBoard
@@ -126,6 +128,8 @@ class Trainer:
             self.meshes = par.build_meshes(p.ep_size, self.device.type)
             self.expert_names = par.parallelize_model(self.model, self.meshes, p)
             reduce = par.dp_all_reduce(self.meshes.dp_group)
+        self.comm_watch = build_watch(self.meshes, self.device, p)  # None in one process
+        self.replicas = HotReplicas.build(self.model, self.meshes, p, self.device)  # before the guards
         self.optimizer = build_optimizer(self.model, t)
         self.overflow: OverflowGuard | None = None
         if self.distributed and p.ep_mode == "buffered" and self.model.moe_layers():
@@ -158,7 +162,8 @@ class Trainer:
                 log.truncate_from(0)
         self.health = TrainHealth(self.model, self.run_dir, probe, all_reduce=reduce,
                                   echo=cfg.log.progress, write=self.is_main,
-                                  alarm_warmup=t.warmup_steps)
+                                  alarm_warmup=t.warmup_steps, a2a_alarm_ratio=p.a2a_alarm_ratio,
+                                  a2a_watch=self.comm_watch if p.ep_size > 1 else None)
         if resume:
             self.health.restore(self._resume_state.get("health", {}), self.routing.read(),
                                 rank=self.rank, world=self.world_size)
@@ -330,6 +335,8 @@ class Trainer:
                 loss, moe_loss = loss + extra, moe_loss + extra
             (loss / t.grad_accum).backward()
             self.health.add_micro(out)
+            if self.replicas is not None:
+                self.replicas.observe(out.stats)
             if self.overflow is not None:
                 self.overflow.observe(out.stats)
                 d, m = OverflowGuard.count(out.stats)
@@ -380,7 +387,8 @@ class Trainer:
             for step in range(self.start_step, t.steps):
                 last = step + 1 == t.steps
                 log_step = (step + 1) % cfg.log.log_every == 0 or last or step == 0
-                stats, grad_norm = self.train_step(step, log_step)
+                with watch_step(self.comm_watch, step, check=log_step):  # distributed/watch.py
+                    stats, grad_norm = self.train_step(step, log_step)
                 if log_step:
                     now = time.perf_counter()
                     n_steps = step + 1 - last_step
@@ -405,6 +413,9 @@ class Trainer:
                         self.metrics.write({"step": step, "val_loss": val_loss})
                     tb.scalars(step, {"val_loss": val_loss})
                     say(f"step {step + 1}: val_loss {val_loss:.4f} nats/token")
+                place = self.replicas.maybe_place(step) if self.replicas is not None else None
+                if place is not None and self.is_main:
+                    self.metrics.write(place)
                 save = (step + 1) % t.ckpt_every == 0 or last
                 if self.overflow is not None and (save or (step + 1) % self.overflow.check_every == 0):
                     ep_row = self.overflow.check(step)  # before a checkpoint: none covers a skipped step unseen

@@ -3,7 +3,7 @@
     dropless train [--config NAME|FILE] [--set a.b=value ...] [--run-dir DIR] [--resume] [--nproc N]
                    [--replay-routing RECORD] [--init-from hf:DIR]
 
-`--init-from hf:DIR` fine-tunes a Hugging Face Qwen3-MoE or Mixtral checkpoint (hf/, docs/hf.md): the
+`--init-from hf:DIR` fine-tunes a Hugging Face Qwen3-MoE, Mixtral or DeepSeek-V3 checkpoint (hf/, docs/models.md): the
 run takes the checkpoint's model (config.json, through hf/mapping.py, including its balancing rule)
 and tokenizer (DIR/tokenizer.json), the preset's train/data/log sections, then the `--set`
 overrides; the weights are loaded into the fresh model before anything else touches it. The run log
