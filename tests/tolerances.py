@@ -222,6 +222,16 @@ COMPILED = (1e-2, 1e-2)
 # rounding) plus rtol 1e-5. A wrong mask, position or cache slot moves logits by 1e-2 or more.
 KV_DECODE = Tol(1e-5, 3e-5)
 
+# Muon's Newton-Schulz iteration (train/muon.py: Jordan's quintic coefficients (3.4445, -4.7750, 2.0315),
+# 5 steps, fp32) does not converge onto the orthogonal factor: it maps every singular value that is not
+# tiny against the matrix's Frobenius norm into a band around 1. Measured band [0.682, 1.180] over
+# Gaussian matrices 32x64, 64x32, 32x32, 128x32, 5x7, a 32x64 spectrum log-spaced over 1..1e-3, and a
+# rank-1 matrix at scale 1e-6 (its one singular value 0.699). The bound, as (low, high) on the singular
+# values of each orthogonalised block, leaves ~0.07 either side. Without the iteration (plain Frobenius
+# normalisation) the smallest values of a square Gaussian matrix are ~0.01; an orthogonalisation over all
+# experts at once leaves an expert 1e3 times quieter than the others at ~1e-3.
+NS_SINGULAR_BAND = (0.6, 1.25)
+
 # float8_e4m3fn block quantisation (hf/fp8.py, tests/test_hf_deepseek.py): a weight w in a block of
 # scale s is stored as e4m3(w / s) and read back as that times s. e4m3 keeps 3 mantissa bits, so
 # round-to-nearest is off by at most half an ulp, 2^-4 of the value for normal numbers; below the

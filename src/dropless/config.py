@@ -145,10 +145,11 @@ class ParallelConfig:
             _fail("parallel.max_tokens_per_rank", self.max_tokens_per_rank,
                   f"is below a micro-batch, train.batch_size * train.seq_len = {tokens}: every step would "
                   "overrun the buffered EP bound (0 = the micro-batch)")
-        if self.ep_mode == "buffered" and train.optimizer != "adamw":
+        if self.ep_mode == "buffered" and train.optimizer not in ("adamw", "muon"):
             _fail("parallel.ep_mode", self.ep_mode, f"with train.optimizer={train.optimizer!r}: the buffered "
-                  "overflow guard undoes a skipped step through AdamW's eagerly created state; use "
-                  "train.optimizer='adamw' or parallel.ep_mode='exact'")
+                  "overflow guard skips a step on the device through eagerly created optimizer state "
+                  "(fused AdamW's, or Muon's); use train.optimizer='adamw' or 'muon', or "
+                  "parallel.ep_mode='exact'")
 
     @property
     def overflow_policy(self) -> str:
@@ -167,7 +168,7 @@ SCHEDULES = ("cosine", "wsd", "constant")
 TOKENIZERS = ("byte", "hf")
 DTYPES = ("auto", "bf16", "fp32")  # "auto": bf16 on CUDA and AMX CPUs, else fp32 (train/device.py)
 DEVICES = ("auto", "cpu", "cuda")  # "auto": CUDA when present
-OPTIMIZERS = ("adamw", "adamw_bf16")
+OPTIMIZERS = ("adamw", "adamw_bf16", "muon")
 
 
 @dataclass
@@ -360,7 +361,7 @@ class TrainConfig:
     batch_size: int = 16  # sequences per micro-batch
     seq_len: int = 256
     grad_accum: int = 1  # micro-batches per optimizer step
-    optimizer: str = "adamw"  # "adamw_bf16": moments stored in bf16 (train/optim_lowp.py)
+    optimizer: str = "adamw"  # "adamw_bf16": moments in bf16 (train/optim_lowp.py); "muon": train/muon.py
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50

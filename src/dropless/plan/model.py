@@ -11,7 +11,8 @@ What each component is (the layout is distributed/parallelize.py's: EP, then FSD
   rank (rank 0) holds ceil(dim0 / W) * rest of every parameter. W = 1 is the plain one-process trainer.
 - grads: fp32, the same shards (FSDP2's reduce-scatter output is padded like the parameters).
 - optimizer: per parameter shard, AdamW's two moments in fp32 (`adamw`, 8 B per element) or bf16
-  (`adamw_bf16`, 4 B), plus one fp32 step counter per parameter tensor.
+  (`adamw_bf16`, 4 B), plus one fp32 step counter per parameter tensor. `muon` is counted as 8 B, an
+  upper bound: its matrices hold one fp32 momentum (4 B), only its AdamW parameters hold two.
 - activations: activations.py (measured on fake tensors), times the micro-batches alive at once: 1
   here (gradient accumulation runs each micro-batch's backward before the next forward; dropless has
   no pipeline). With `model.offload` what stays on the device: the offloaded scopes' saved tensors
@@ -57,7 +58,7 @@ COMPONENTS = ("params", "grads", "optimizer", "activations", "ep_buffers", "fsdp
               "offload_host")
 DEVICE_COMPONENTS = COMPONENTS[:-1]  # offload_host is host memory: not in the device peak
 EXPERT_PARAMS = ("w_gate_up_EDF", "w_down_EFD")
-MOMENT_BYTES = {"adamw": 8, "adamw_bf16": 4}
+MOMENT_BYTES = {"adamw": 8, "adamw_bf16": 4, "muon": 8}  # muon: an upper bound (module note)
 
 
 @dataclass(frozen=True)

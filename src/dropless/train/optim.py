@@ -2,9 +2,11 @@
 
 `train.optimizer` picks the state precision: "adamw" is torch's AdamW (fp32 moments, 8 bytes of state
 per parameter); "adamw_bf16" is `optim_lowp.AdamWBF16`, the same update with both moments stored in
-bf16 (4 bytes per parameter; round-to-nearest, which suits the default beta2 = 0.95, see its notes).
+bf16 (4 bytes per parameter; round-to-nearest, which suits the default beta2 = 0.95, see its notes);
+"muon" is `muon.Muon`: expert-wise Muon on the matrices, AdamW (fp32 moments) on embeddings, head,
+routers, norms and biases, in one optimizer object (see its notes; `train.lr` drives both halves).
 
-Both can skip a step on the device (`step_unless`): torch's fused AdamW and AdamWBF16 read the
+All three can skip a step on the device (`step_unless`): torch's fused AdamW and AdamWBF16 read the
 optimizer attribute `found_inf` (torch.amp.GradScaler's protocol: a float scalar tensor, 1.0 = skip)
 and leave parameters, moments and the step count bit-identical, with no host read and no copy of the
 state. That is why "adamw" is the fused implementation (torch 2.13 has fused AdamW kernels for CPU and
@@ -25,6 +27,7 @@ import torch
 from torch import nn
 
 from ..config import TrainConfig
+from .muon import Muon, muon_param_groups
 from .optim_lowp import AdamWBF16
 
 # Devices with fused AdamW kernels (torch >= 2.4; torch.utils._foreach_utils lists them, privately).
@@ -44,6 +47,10 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    if cfg.optimizer == "muon":
+        groups, splits = muon_param_groups(model, cfg.weight_decay)
+        return Muon(groups, splits, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                    weight_decay=cfg.weight_decay)
     groups = param_groups(model, cfg.weight_decay)
     if cfg.optimizer == "adamw":
         fused = all(p.device.type in FUSED_DEVICES for g in groups for p in g["params"])
@@ -56,7 +63,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
 
 def can_skip(optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer.step()` honours `found_inf` (module note)."""
-    if isinstance(optimizer, AdamWBF16):
+    if isinstance(optimizer, (AdamWBF16, Muon)):
         return True
     return isinstance(optimizer, torch.optim.Adam) and all(g.get("fused") for g in optimizer.param_groups)
 

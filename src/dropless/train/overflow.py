@@ -40,6 +40,7 @@ import torch
 from ..layers.moe import MoEStats
 from .ep_buffers import AdaptiveBuffers
 from .health import AllReduce
+from .muon import Muon
 from .optim import can_skip
 
 
@@ -51,9 +52,10 @@ class OverflowGuard:
     def __init__(self, optimizer: torch.optim.Optimizer, reduce: AllReduce, capacity: int,
                  factor: float | str, check_every: int, policy: str = "retry",
                  adaptive: AdaptiveBuffers | None = None) -> None:
-        if not (isinstance(optimizer, torch.optim.AdamW) and can_skip(optimizer)):
+        # Muon creates its whole state in its constructor and honours found_inf (train/muon.py)
+        if not (isinstance(optimizer, (torch.optim.AdamW, Muon)) and can_skip(optimizer)):
             raise ValueError(f"EP overflow skip: optimizer {type(optimizer).__name__} has no eager state "
-                             "init or cannot skip a step on the device (needs torch's fused AdamW)")
+                             "init or cannot skip a step on the device (needs torch's fused AdamW or Muon)")
         self.optimizer, self.reduce = optimizer, reduce
         self.capacity, self.factor, self.check_every = capacity, factor, check_every
         zero = lambda: torch.zeros((), dtype=torch.int64,  # noqa: E731  (with the parameters)
