@@ -20,12 +20,14 @@ from dist_harness import run_world
 from dropless.train.loop import Trainer
 from tiny_run import tiny
 
-STEPS, LOG_EVERY, SLOW_FROM, DELAY_S = 20, 2, 14, 0.04
+STEPS, LOG_EVERY, SLOW_FROM, DELAY_S = 20, 2, 14, 0.1
 # The margin: the default 1.5 is meant for a dedicated interconnect. This 2-core machine, shared by the
 # test workers, swings 2.6x between quiet intervals (all-to-all ms per step, one quiet run: 7.96 to
 # 20.95; most of it is waiting for the other rank inside the exchange); the injected slowdown (40 ms per
-# call on rank 1) measured 35.6x. 6 leaves room on both sides.
-RATIO = 6.0
+# call on rank 1) measured 35.6x. A full-suite run on that machine under heavier load (other jobs
+# beside the test workers) fired the alarm in the quiet run at 6: so 100 ms per call (about 2.5x the
+# slowdown above) and a margin of 12.
+RATIO = 12.0
 # check_collectives: a healthy run passes every fingerprint check (and the slow one too: slow is not wrong)
 ARGS = ("parallel.ep_size=2", f"parallel.a2a_alarm_ratio={RATIO}", "parallel.check_collectives=true",
         f"train.steps={STEPS}", f"log.log_every={LOG_EVERY}",
