@@ -15,12 +15,14 @@ weighted activation -> grouped GEMM with autograd recording each op) keeps for t
 (GEMM 2's input): at medium bf16 about 48 KB per token of the 56 KB the layer kept. This Function
 keeps h, the routing weights, the indices and a reference to x_TD (the floor of the fastest
 published MoE kernels: input and pre-activation), and in the backward
-    re-gathers x_RD from x_TD by src_R (a gather: cheap beside the GEMMs),
+    da = dy @ W2^T per group;
     recomputes the activation from h (silu and two multiplies, the forward's own ops on the same
-    strided halves: the same bits),
-    dW2 = grouped wgrad(a, dy);  da = dy @ W2^T per group;
-    dh, dw_R from the activation's backward (the routing-weight gradient is the row dot product
-    <da * up, silu(gate)>: it needs no expert output);
+    strided halves: the same bits) and runs the activation's backward (dh, and dw_R, the row dot
+    product <da * up, silu(gate)>: it needs no expert output) in one pass over blocks of rows, so
+    silu(gate) never exists whole and each block is read from memory about once
+    (`_swiglu_recompute_backward`; this pass is most of what the recompute costs);
+    dW2 = grouped wgrad(a, dy);
+    re-gathers x_RD from x_TD by src_R (a gather: cheap beside the GEMMs);
     dW1 = grouped wgrad(x_RD, dh);  dx_RD = dh @ W1^T per group.
 dx_RD is returned as the gradient of the forward's x_RD, so the dispatcher's permute backward sums
 it into dx_TD as before (a fixed-order gather-sum, no scatter-add). The products are those torch's
