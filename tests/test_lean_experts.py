@@ -108,6 +108,37 @@ def test_lean_equals_keep_act_bf16_and_autocast(shape: str) -> None:
     assert_equal(run(layer, xb, True), run(layer, xb, False))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "autocast"])
+@pytest.mark.parametrize("shape", ["basic", "odd_widths", "align4", "k1"])
+def test_lean_blocked_swiglu_backward_equals_keep_act(shape: str, dtype: str, threads: int,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # The fused SwiGLU's recompute and backward run in blocks of rows (lean_experts.
+    # _swiglu_recompute_backward). At the test shapes R is below one block, so a tiny grain forces
+    # blocks of 3 rows, with a partial last block: the result must still be the whole-tensor one.
+    # With 2 threads the blocked path only runs where the split falls on rows (`_row_aligned`).
+    from dropless.ops import lean_experts as lean_mod
+    f = SHAPES[shape][4]
+    monkeypatch.setattr(lean_mod, "_GRAIN", 3 * f)
+    calls = []
+    real = lean_mod.swiglu_backward
+    monkeypatch.setattr(lean_mod, "swiglu_backward", lambda *a: calls.append(1) or real(*a))
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        layer, x = build(shape)
+        if dtype == "bf16":
+            layer = layer.to(torch.bfloat16)
+            layer.router.float()
+            x = x.to(torch.bfloat16)
+        auto = dtype == "autocast"
+        assert_equal(run(layer, x, True, autocast=auto), run(layer, x, False, autocast=auto))
+    finally:
+        torch.set_num_threads(old_threads)
+    if threads == 1:
+        assert not calls  # the blocked path ran, not the whole-tensor fallback
+
+
 def test_lean_with_shared_expert_and_masked_plan() -> None:
     # expert choice: a validity-masked plan (invalid pairs get no row; padding rows read row T)
     torch.manual_seed(0)

@@ -15,12 +15,14 @@ weighted activation -> grouped GEMM with autograd recording each op) keeps for t
 (GEMM 2's input): at medium bf16 about 48 KB per token of the 56 KB the layer kept. This Function
 keeps h, the routing weights, the indices and a reference to x_TD (the floor of the fastest
 published MoE kernels: input and pre-activation), and in the backward
-    re-gathers x_RD from x_TD by src_R (a gather: cheap beside the GEMMs),
+    da = dy @ W2^T per group;
     recomputes the activation from h (silu and two multiplies, the forward's own ops on the same
-    strided halves: the same bits),
-    dW2 = grouped wgrad(a, dy);  da = dy @ W2^T per group;
-    dh, dw_R from the activation's backward (the routing-weight gradient is the row dot product
-    <da * up, silu(gate)>: it needs no expert output);
+    strided halves: the same bits) and runs the activation's backward (dh, and dw_R, the row dot
+    product <da * up, silu(gate)>: it needs no expert output) in one pass over blocks of rows, so
+    silu(gate) never exists whole and each block is read from memory about once
+    (`_swiglu_recompute_backward`; this pass is most of what the recompute costs);
+    dW2 = grouped wgrad(a, dy);
+    re-gathers x_RD from x_TD by src_R (a gather: cheap beside the GEMMs);
     dW1 = grouped wgrad(x_RD, dh);  dx_RD = dh @ W1^T per group.
 dx_RD is returned as the gradient of the forward's x_RD, so the dispatcher's permute backward sums
 it into dx_TD as before (a fixed-order gather-sum, no scatter-add). The products are those torch's
@@ -75,6 +77,64 @@ def _act(h_RW: torch.Tensor, w_R: torch.Tensor | None, kind: str, clamp: float |
     return a_RF if w_R is None else a_RF * w_R.to(a_RF.dtype).unsqueeze(-1)
 
 
+# at::internal::GRAIN_SIZE: an element-wise op over this many elements or fewer runs on one thread
+_GRAIN = 32768
+
+
+def _row_aligned(n_rows: int, width: int) -> bool:
+    """Whether torch's intra-op split of an element-wise op over [n_rows, width] (at::parallel_for:
+    min(threads, ceil(n / grain)) tasks of ceil(n / tasks) elements) falls on row boundaries. Only then
+    does every row run from its first column, so a row's vectorised body and scalar tail (which round
+    silu's last bit differently) are the same as in a row-by-row recompute."""
+    n = n_rows * width
+    tasks = min(torch.get_num_threads(), -(-n // _GRAIN))
+    return tasks <= 1 or (-(-n // tasks)) % width == 0
+
+
+def _swiglu_recompute_backward(h_RW: torch.Tensor, w_R: torch.Tensor | None, da_RF: torch.Tensor,
+                               want_grad_w: bool, w_dtype: torch.dtype | None
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(a_RF, dh_RW, dw_R): `swiglu_forward(h_RW, w_R)` recomputed and `swiglu_backward` with it, in
+    blocks of rows, so silu(gate) lives only one block at a time in cache: the recompute's passes and
+    the backward's read each block from memory about once instead of once per op, and no [R, F]
+    silu(gate) is allocated (a_RF stays whole: dW2 needs it). The same ops on the same strided
+    halves in the same order per element, each row from its first column as the whole-tensor calls
+    ran it (`_row_aligned`; a block is at most one grain, so it runs on one thread): the same bits.
+    Otherwise (a split inside a row) the whole-tensor functions themselves."""
+    R, F_ = h_RW.shape[0], h_RW.shape[1] // 2
+    rows = max(1, _GRAIN // max(F_, 1))
+    if R <= rows or not _row_aligned(R, F_) or torch.compiler.is_compiling():
+        a_RF, s_RF = swiglu_forward(h_RW, w_R)
+        dh_RW, dw_R = swiglu_backward(da_RF, h_RW, s_RF, w_R, want_grad_w, w_dtype)
+        return a_RF, dh_RW, dw_R
+    a_RF = h_RW.new_empty(R, F_)
+    dh_RW = da_RF.new_empty(R, 2 * F_)
+    # the weight in a's dtype (swiglu_forward) and in the gradient's (swiglu_backward)
+    wa_R1 = None if w_R is None else w_R.to(h_RW.dtype).unsqueeze(-1)
+    wg_R1 = None if w_R is None else w_R.to(da_RF.dtype).unsqueeze(-1)
+    want_w = w_R is not None and want_grad_w
+    dw_R = h_RW.new_empty(R, dtype=torch.result_type(da_RF, h_RW)) if want_w else None
+    s = h_RW.new_empty(min(rows, R), F_)  # one block of silu(gate), reused
+    for r in range(0, R, rows):
+        n = min(rows, R - r)
+        gate, up = h_RW[r:r + n].chunk(2, dim=-1)
+        s_b, a, da = s[:n], a_RF[r:r + n], da_RF[r:r + n]
+        torch.ops.aten.silu.out(gate, out=s_b)  # swiglu_forward, on this block
+        torch.mul(s_b, up, out=a)
+        g_up = da * up  # swiglu_backward, on this block
+        if w_R is None:
+            torch.mul(da, s_b, out=dh_RW[r:r + n, F_:])
+        else:
+            a.mul_(wa_R1[r:r + n])
+            wg = wg_R1[r:r + n]
+            torch.mul(da * s_b, wg, out=dh_RW[r:r + n, F_:])
+            if dw_R is not None:
+                torch.linalg.vecdot(g_up, s_b, out=dw_R[r:r + n])
+            g_up.mul_(wg)
+        torch.ops.aten.silu_backward.grad_input(g_up, gate, grad_input=dh_RW[r:r + n, :F_])
+    return a_RF, dh_RW, None if dw_R is None else dw_R.to(w_dtype)
+
+
 def regather(source: RowSource) -> torch.Tensor:
     """x_RD from its source: `permute.permute`'s forward (zero row appended when padded)."""
     x_TD = source.x_TD
@@ -108,28 +168,27 @@ class _LeanExperts(torch.autograd.Function):
         need = ctx.needs_input_grad
         need_x, need_w1, need_w2, need_wr = need[0], need[4], need[5], need[7]
         dy_RD = dy_RD.contiguous()  # grouped_mm refuses an expanded gradient (grouped_gemm.py)
-        fused = _fused(kind, clamp, softcap)
-        if fused:
-            a_RF, s_RF = swiglu_forward(h_RW, w_R)
+        dw_R = None
+        if _fused(kind, clamp, softcap):
+            # da first (it does not need the activation), then the recompute and the SwiGLU backward
+            # in one blocked pass, then dW2 from the recomputed activation: the same products
+            da_RF = grouped_gemm.grouped_dgrad(dy_RD, w2, offsets_E, backend)
+            a_RF, dh_RW, dw_R = _swiglu_recompute_backward(h_RW, w_R, da_RF, need_wr, ctx.w_dtype)
+            del da_RF
+            dw2 = grouped_gemm.grouped_wgrad(a_RF, dy_RD, offsets_E, backend) if need_w2 else None
+            del a_RF
         else:
             with torch.enable_grad():
                 h_ = h_RW.detach().requires_grad_(True)
                 wr_ = None if w_R is None else w_R.detach().requires_grad_(need_wr)
                 a_RF = _act(h_, wr_, kind, clamp, softcap)
-        dw2 = grouped_gemm.grouped_wgrad(a_RF.detach(), dy_RD, offsets_E, backend) if need_w2 else None
-        da_RF = grouped_gemm.grouped_dgrad(dy_RD, w2, offsets_E, backend)
-        dw_R = None
-        if fused:
-            del a_RF
-            dh_RW, dw_R = swiglu_backward(da_RF, h_RW, s_RF, w_R, need_wr, ctx.w_dtype)
-            del s_RF
-        else:
+            dw2 = grouped_gemm.grouped_wgrad(a_RF.detach(), dy_RD, offsets_E, backend) if need_w2 else None
+            da_RF = grouped_gemm.grouped_dgrad(dy_RD, w2, offsets_E, backend)
             inputs = [h_] + ([wr_] if wr_ is not None and need_wr else [])
             grads = torch.autograd.grad(a_RF, inputs, da_RF)
             dh_RW = grads[0]
             dw_R = grads[1] if len(grads) > 1 else None
-            del a_RF, h_, wr_
-        del da_RF
+            del a_RF, h_, wr_, da_RF
         dw1 = None
         if need_w1:
             x_RD = x_saved if src_R is None else regather(RowSource(x_saved, src_R, padded)).to(x_dtype)
