@@ -44,8 +44,10 @@ from . import watch as _watch
 _CURRENT = object()  # "the watch of the running step" (a backward passes the forward's explicitly)
 
 
-def _exchange(x: torch.Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None,
-              group: ProcessGroup | None, zero_row: bool = False, watch: object = _CURRENT) -> torch.Tensor:
+def _buffers(x: torch.Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None,
+             zero_row: bool) -> tuple[torch.Tensor, torch.Tensor, int, list[int] | None, list[int] | None]:
+    """(contiguous x, the receive buffer, rows received, out splits, in splits) of one exchange; the
+    buffer has one extra zero row when `zero_row` (padding rows gather it)."""
     x = x.contiguous()
     rows = sum(out_splits) if out_splits is not None else x.shape[0]
     out = x.new_empty((rows + zero_row, *x.shape[1:]))
@@ -53,6 +55,12 @@ def _exchange(x: torch.Tensor, out_splits: Sequence[int] | None, in_splits: Sequ
         out[rows:].zero_()
     outs = None if out_splits is None else list(out_splits)
     ins = None if in_splits is None else list(in_splits)
+    return x, out, rows, outs, ins
+
+
+def _exchange(x: torch.Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None,
+              group: ProcessGroup | None, zero_row: bool = False, watch: object = _CURRENT) -> torch.Tensor:
+    x, out, rows, outs, ins = _buffers(x, out_splits, in_splits, zero_row)
     w = _watch.current() if watch is _CURRENT else watch
     if w is None:
         dist.all_to_all_single(out[:rows], x, output_split_sizes=outs, input_split_sizes=ins, group=group)
@@ -66,13 +74,7 @@ def _exchange(x: torch.Tensor, out_splits: Sequence[int] | None, in_splits: Sequ
 def _exchange_start(x: torch.Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None,
                     group: ProcessGroup | None, zero_row: bool, watch: object) -> tuple[torch.Tensor, Callable[[], None]]:
     """`_exchange` issued with async_op=True: (the output, filled once the returned wait has run)."""
-    x = x.contiguous()
-    rows = sum(out_splits) if out_splits is not None else x.shape[0]
-    out = x.new_empty((rows + zero_row, *x.shape[1:]))
-    if zero_row:
-        out[rows:].zero_()
-    outs = None if out_splits is None else list(out_splits)
-    ins = None if in_splits is None else list(in_splits)
+    x, out, rows, outs, ins = _buffers(x, out_splits, in_splits, zero_row)
 
     def issue() -> Any:
         return dist.all_to_all_single(out[:rows], x, output_split_sizes=outs, input_split_sizes=ins,
