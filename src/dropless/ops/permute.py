@@ -222,7 +222,14 @@ class _Permute(torch.autograd.Function):
     def backward(ctx, grad_RD: torch.Tensor):
         row_of_P, keep_P = ctx.saved_tensors
         # A dropped or invalid pair's row_of_P is row 0, another pair's gradient: the mask zeroes it.
-        return _gather_sum(grad_RD, row_of_P, ctx.top_k, keep_P), None, None, None, None, None
+        grad_TD = _gather_sum(grad_RD, row_of_P, ctx.top_k, keep_P)
+        if keep_P is not None:
+            # When no pair of the batch owns a row (every pair on identity experts), row 0 is no
+            # computed row: its gradient is whatever the grouped GEMM left there (uninitialised,
+            # possibly NaN), and 0 * NaN is NaN. A token with no row takes an exact zero instead;
+            # for every other token this select returns the sum unchanged.
+            grad_TD = torch.where(keep_P.view(-1, ctx.top_k).any(-1, keepdim=True), grad_TD, 0)
+        return grad_TD, None, None, None, None, None
 
 
 def permute(x_TD: torch.Tensor, plan: RoutingPlan, src_R: torch.Tensor | None = None) -> torch.Tensor:
