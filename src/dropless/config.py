@@ -12,7 +12,7 @@ Design:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
@@ -44,121 +44,7 @@ from .moe_config import (  # noqa: F401  (re-exported: the MoE part of the tree)
 from .attn_config import ATTENTIONS, YarnConfig, check_attention  # noqa: F401  (re-exported)
 from .model_knobs import check_model_knobs, moe_layer_ids  # noqa: E402
 
-EP_MODES = ("exact", "buffered")
-ON_OVERFLOW = ("skip", "retry", "spill")  # buffered EP: what happens to pairs that did not fit
-
-
-@dataclass
-class ParallelConfig:
-    """Expert parallelism (mission.md section 5; protocol in docs/ep.md)."""
-
-    ep_size: int = 1  # ranks the experts are spread over (contiguously: rank r owns a block of E/ep_size)
-    ep_mode: str = "exact"  # "exact": split sizes read on the host; "buffered": fixed buffers, no sync
-    dedup: bool = True  # a token crosses once per destination rank, however many of its experts live there
-    # buffered mode: per-link buffer = factor x the pairs perfectly balanced routing sends over one link,
-    # capped at the worst case; -1 = the worst case (never overflows); "auto": sized per layer from the
-    # link demand seen at the checks (train/ep_buffers.py). Declared str first so that an override
-    # "auto" parses; numbers are stored as float.
-    ragged_buffer_factor: str | float = 2.0
-    overflow_check_every: int = 20  # buffered mode: steps between host checks of the overflow counter
-    # buffered mode, older switch: true = on_overflow "retry", false = "skip"; on_overflow wins when set
-    retry_on_overflow: bool = True
-    # buffered mode: "skip" the step, "retry" it with worst-case buffers, "spill" the pairs that did not
-    # fit into a second exact-size exchange in the same layer call; "" = from retry_on_overflow
-    on_overflow: str = ""
-    # buffered mode: the most tokens one rank holds in a micro-batch, the bound every rank sizes its
-    # fixed all-to-all buffers from (ranks may hold fewer; more is a ValueError from the shape).
-    # 0 = the trainer's micro-batch, train.batch_size * train.seq_len
-    max_tokens_per_rank: int = 0
-    # watching the collectives (distributed/watch.py, docs/ep.md "All-to-all health", "Hang diagnostics")
-    check_collectives: bool = False  # fingerprint every watched collective; ranks compare them at log steps
-    collective_timeout_s: float = 0.0  # > 0: a collective fails after this long, naming the ranks missing
-    a2a_alarm_ratio: float = 1.5  # health alarm when an interval's all-to-all time exceeds this x baseline
-    # EP with shared experts: compute them while the dispatch all-to-all is in flight (docs/ep.md "Overlap")
-    overlap_shared: bool = True
-    # hot-expert replication (train/ep_replicas_train.py): copies of the R busiest experts on other EP
-    # ranks, placed from the global counts every replica_interval steps; 0 = off
-    replicate_hot_experts: int = 0
-    replica_interval: int = 100
-
-    def __post_init__(self) -> None:
-        self.validate("parallel")
-
-    def validate(self, prefix: str = "parallel") -> None:
-        _positive(f"{prefix}.ep_size", self.ep_size)
-        _choice(f"{prefix}.ep_mode", self.ep_mode, EP_MODES)
-        if not isinstance(self.dedup, bool):
-            _fail(f"{prefix}.dedup", self.dedup, "must be true or false")
-        factor = self.ragged_buffer_factor
-        if isinstance(factor, str) and factor != "auto":
-            try:
-                factor = self.ragged_buffer_factor = float(factor)
-            except ValueError:
-                _fail(f"{prefix}.ragged_buffer_factor", factor, "must be > 0, -1 for the worst case, or 'auto'")
-        if factor != "auto" and (isinstance(factor, bool) or not isinstance(factor, (int, float))
-                                 or not (factor == -1 or factor > 0)):
-            _fail(f"{prefix}.ragged_buffer_factor", factor, "must be > 0, -1 for the worst case, or 'auto'")
-        if self.on_overflow:
-            _choice(f"{prefix}.on_overflow", self.on_overflow, ON_OVERFLOW)
-        _positive(f"{prefix}.overflow_check_every", self.overflow_check_every)
-        if not isinstance(self.retry_on_overflow, bool):
-            _fail(f"{prefix}.retry_on_overflow", self.retry_on_overflow, "must be true or false")
-        if isinstance(self.max_tokens_per_rank, bool) or not isinstance(self.max_tokens_per_rank, int) \
-                or self.max_tokens_per_rank < 0:
-            _fail(f"{prefix}.max_tokens_per_rank", self.max_tokens_per_rank,
-                  "must be an int >= 0 (0 = the micro-batch)")
-        if not isinstance(self.check_collectives, bool):
-            _fail(f"{prefix}.check_collectives", self.check_collectives, "must be true or false")
-        t = self.collective_timeout_s
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0:
-            _fail(f"{prefix}.collective_timeout_s", t, "must be >= 0 seconds (0 = the backend's default)")
-        if not isinstance(self.overlap_shared, bool):
-            _fail(f"{prefix}.overlap_shared", self.overlap_shared, "must be true or false")
-        n = self.replicate_hot_experts
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            _fail(f"{prefix}.replicate_hot_experts", n, "must be an int >= 0 (0 = off)")
-        _positive(f"{prefix}.replica_interval", self.replica_interval)
-        r = self.a2a_alarm_ratio
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not r > 1:
-            _fail(f"{prefix}.a2a_alarm_ratio", r, "must be > 1 (the all-to-all time over its baseline)")
-
-    def check_experts(self, num_experts: int, prefix: str = "parallel") -> None:
-        """E experts must split evenly over ep_size ranks."""
-        if num_experts % self.ep_size:
-            _fail(f"{prefix}.ep_size", self.ep_size, f"does not divide num_experts={num_experts}")
-
-    def check_run(self, moe: MoEConfig, train: TrainConfig) -> None:
-        """The combinations with the model and the trainer that would otherwise fail at the first
-        forward (or when the trainer starts), refused at validation."""
-        self.check_experts(moe.num_experts)
-        if self.ep_size > 1 and moe.capacity_factor is not None:
-            _fail("parallel.ep_size", self.ep_size, f"with model.moe.capacity_factor={moe.capacity_factor}: "
-                  "expert parallelism is dropless; the capacity baseline is single-device only")
-        if self.replicate_hot_experts and self.ep_size < 2:
-            _fail("parallel.replicate_hot_experts", self.replicate_hot_experts,
-                  f"with parallel.ep_size={self.ep_size}: replicas live on other EP ranks (ep_size >= 2)")
-        if self.replicate_hot_experts > moe.num_experts:
-            _fail("parallel.replicate_hot_experts", self.replicate_hot_experts,
-                  f"is more than model.moe.num_experts={moe.num_experts}")
-        tokens = train.batch_size * train.seq_len
-        if self.ep_mode == "buffered" and 0 < self.max_tokens_per_rank < tokens:
-            _fail("parallel.max_tokens_per_rank", self.max_tokens_per_rank,
-                  f"is below a micro-batch, train.batch_size * train.seq_len = {tokens}: every step would "
-                  "overrun the buffered EP bound (0 = the micro-batch)")
-        if self.ep_mode == "buffered" and train.optimizer not in ("adamw", "muon"):
-            _fail("parallel.ep_mode", self.ep_mode, f"with train.optimizer={train.optimizer!r}: the buffered "
-                  "overflow guard skips a step on the device through eagerly created optimizer state "
-                  "(fused AdamW's, or Muon's); use train.optimizer='adamw' or 'muon', or "
-                  "parallel.ep_mode='exact'")
-
-    @property
-    def overflow_policy(self) -> str:
-        """on_overflow when set, else the older retry_on_overflow switch (configs that predate it)."""
-        return self.on_overflow or ("retry" if self.retry_on_overflow else "skip")
-
-    def with_token_bound(self, tokens_per_micro_batch: int) -> ParallelConfig:
-        """A copy with max_tokens_per_rank filled in (0 -> the trainer's micro-batch tokens)."""
-        return replace(self, max_tokens_per_rank=self.max_tokens_per_rank or tokens_per_micro_batch)
+from .parallel_config import EP_MODES, ON_OVERFLOW, ParallelConfig  # noqa: F401,E402  (re-exported)
 
 
 # ---------------------------------------------------------------------------------------------------
