@@ -7,7 +7,6 @@ counts are checked against the independent counter of saved storages (dropless.s
 
 from __future__ import annotations
 
-import gc
 from dataclasses import replace
 
 import pytest
@@ -16,10 +15,10 @@ import torch
 from dropless.config import ModelConfig
 from dropless.layers import offload
 from dropless.model import MoEModel
-from dropless.saved_bytes import saved_bytes
+from dropless.saved_bytes import AliveStorages, saved_bytes
 from dropless.train.loop import Trainer
 from dropless.train.resume import is_fixed
-from test_recompute import B, S, ROUTERS, _Allocations, assert_equal, fwd_bwd, model_cfg, tokens
+from test_recompute import B, S, ROUTERS, assert_equal, fwd_bwd, model_cfg, tokens
 from tiny_run import rows, tiny
 
 NAMES = [["layer"], ["attn"], ["attn_input"], ["norm"], ["moe"], ["experts"], ["attn", "norm", "moe"],
@@ -122,10 +121,9 @@ def test_offload_releases_the_saved_originals(monkeypatch: pytest.MonkeyPatch) -
     tok = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
 
     def held(model: MoEModel) -> int:  # tests/test_recompute.py's held_bytes, less the host copies
-        with _Allocations() as alloc:
+        with AliveStorages() as alloc:
             out = model(tok, tok)
-        gc.collect()
-        n = sum(b for ptr, (ref, b) in alloc.storages.items() if not ref.expired() and ptr not in host)
+        n = alloc.alive_bytes(set(host))
         out.loss.backward()
         return n
 

@@ -8,19 +8,16 @@ different function; the re-route tests below fail if it does.
 
 from __future__ import annotations
 
-import gc
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from dropless.config import ModelConfig, load_config
 from dropless.model import MoEModel
 from dropless.ops import routing
+from dropless.saved_bytes import AliveStorages
 from dropless.train.loop import Trainer
 from tiny_run import TINY, crash_at, rows, tiny
 
@@ -141,33 +138,15 @@ def test_recompute_never_reroutes(router: str, modes: list[str], monkeypatch: py
     assert calls["n"] == 0
 
 
-class _Allocations(TorchDispatchMode):
-    """Every storage an op creates, by weak reference (a storage is counted once however many
-    views of it exist)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                s = t.untyped_storage()
-                self.storages[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
-        return out
-
-
 def held_bytes(model: MoEModel, tok: torch.Tensor) -> int:
     """Bytes of the storages the forward created that are still alive after it: what the graph keeps
     for the backward (saved tensors, and a checkpoint's inputs) plus the outputs; parameters and
     buffers were not created by the forward and do not count. (saved_tensors_hooks alone would miss
     what a checkpoint keeps: its own hooks shadow outer ones inside the region, and it holds its
     inputs by reference, not as saved tensors.)"""
-    with _Allocations() as alloc:
+    with AliveStorages() as alloc:
         out = model(tok, tok)
-    gc.collect()
-    held = sum(n for ref, n in alloc.storages.values() if not ref.expired())
+    held = alloc.alive_bytes()
     out.loss.backward()
     return held
 

@@ -118,3 +118,31 @@ def saved_bytes(fn: Callable[..., Any], *args: Any, exclude: Iterable[torch.Tens
             held[key] = (shape, dtype, nbytes)
     items = tuple((shape, dtype, s.nbytes()) for s, shape, dtype in seen.values()) + tuple(held.values())
     return SavedBytes(sum(n for *_, n in items), len(items), counts["tensors"], counts["excluded"], out, items)
+
+
+class AliveStorages(TorchDispatchMode):
+    """Every storage an op creates while the mode is on, by weak reference, keyed by address (a freed
+    address reused later is the later storage); a storage counts once however many views it has.
+    What a forward leaves alive is what its graph keeps (saved tensors, a checkpoint's inputs) plus
+    its outputs: the planner's validation and the recompute/offload tests measure with it, a count
+    independent of `saved_bytes`' hooks. `alive_bytes` reads each live storage's size now: FSDP2
+    frees a resharded unit's gathered parameters by resizing their storage to 0, while tensors that
+    autograd saved still hold the (empty) storage object."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                s = t.untyped_storage()
+                self.storages[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
+        return out
+
+    def alive_bytes(self, skip: set[int] = frozenset()) -> int:
+        """Bytes of the storages still alive, less those whose address is in `skip`."""
+        gc.collect()
+        return sum(torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+                   for ptr, (ref, _) in self.storages.items() if not ref.expired() and ptr not in skip)

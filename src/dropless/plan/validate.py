@@ -48,7 +48,6 @@ Variants (`--variants`, default all three):
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
@@ -60,11 +59,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from ..config import RunConfig, load_config
+from ..saved_bytes import AliveStorages
 from .model import plan
 
 CASES = {
@@ -101,29 +98,6 @@ def case_config(case: str, world: int, dtype: str, extra: tuple[str, ...] = (), 
     over = list(CASES[case]) + (BENCH_SHAPE if case != "tiny" else []) + (WORLD_LAYOUT[world] if ep else [])
     over += [f"train.dtype={dtype}", "train.device=cpu", *extra]
     return load_config(preset_path("tiny"), over)
-
-
-class _Alive(TorchDispatchMode):
-    """Every storage an op creates, by weak reference, keyed by address (a freed address reused
-    later is the later storage). `alive_bytes` reads each live storage's size now: FSDP2 frees a
-    resharded unit's gathered parameters by resizing their storage to 0, while tensors that autograd
-    saved still hold the (empty) storage object."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                s = t.untyped_storage()
-                self.storages[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
-        return out
-
-    def alive_bytes(self, skip: set[int]) -> int:
-        return sum(torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
-                   for ptr, (ref, _) in self.storages.items() if not ref.expired() and ptr not in skip)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -184,10 +158,9 @@ def measure(cfg: RunConfig, steps: int, distributed: bool) -> dict[str, int]:
             x, y = tok[:, :-1].contiguous(), tok[:, 1:].contiguous()
             sent.clear()
             recording["on"] = True
-            with _Alive() as alive, torch.autocast("cpu", torch.bfloat16, enabled=t.dtype == "bf16"):
+            with AliveStorages() as alive, torch.autocast("cpu", torch.bfloat16, enabled=t.dtype == "bf16"):
                 res = model(x, y)
             recording["on"] = False
-            gc.collect()
             constants = {_local(q).untyped_storage().data_ptr()
                          for q in [*model.parameters(), *model.buffers()]}
             out["activations"] = alive.alive_bytes(constants | host_copies)
