@@ -77,6 +77,7 @@ from ..layers.experts import GroupedExperts
 from ..layers.mlp import MLP
 from ..model import Attention
 from ..ops.activations import is_gated
+from .optim_lowp import step_prologue
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # Jordan's quintic: fast, lands singular values in ~[0.7, 1.2]
 NS_STEPS = 5
@@ -222,12 +223,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        found_inf = getattr(self, "found_inf", None)
-        skip = None if found_inf is None else found_inf > 0
+        loss, found_inf, skip = step_prologue(self, closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:

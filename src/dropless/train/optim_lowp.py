@@ -58,6 +58,19 @@ def round_to_bf16(x: torch.Tensor, rounding: str, generator: torch.Generator | N
     return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)  # exact: low bits are 0
 
 
+def step_prologue(opt: torch.optim.Optimizer, closure
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """What every dropless optimizer's `step` does first: run the closure (with grad), and read the
+    device-side skip flag the overflow guard / non-finite check sets as `opt.found_inf` (a tensor,
+    so a skipped step is decided on the device: `torch.where`, no host read).
+    (loss, found_inf, skip = found_inf > 0), the last two None when no flag is set."""
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    found_inf = getattr(opt, "found_inf", None)
+    return loss, found_inf, None if found_inf is None else found_inf > 0
+
 class AdamWBF16(torch.optim.Optimizer):
     """torch.optim.AdamW's update (same defaults) with exp_avg and exp_avg_sq stored in bf16.
 
@@ -87,12 +100,7 @@ class AdamWBF16(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        found_inf = getattr(self, "found_inf", None)
-        skip = None if found_inf is None else found_inf > 0
+        loss, found_inf, skip = step_prologue(self, closure)
         for group in self.param_groups:
             lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
