@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,9 +54,8 @@ from .nonfinite import NonFiniteGuard
 from .optim import build_optimizer, step_unless
 from .replay_data import ReplayData
 from .resume import check_resume_config, report_resume
-from .ep_buffers import AdaptiveBuffers
 from .ep_replicas_train import HotReplicas
-from .overflow import OverflowGuard
+from .overflow import OverflowGuard, build_guard
 from .schedule import lr_at
 from .sinks import JsonlLog, Progress, TensorBoard
 from .tokenizer import load_tokenizer
@@ -90,16 +88,7 @@ class Trainer:
         if t.threads:
             torch.set_num_threads(t.threads)
         if t.deterministic:
-            placement.deterministic_cublas(self.device)
-            torch.use_deterministic_algorithms(True)
-            # Deterministic mode also fills every new tensor from torch.empty with NaN, a net for code
-            # that reads memory it never wrote. Ours reads no such memory (GEMM tails and padding are
-            # selected away, never read); the fill cost 2.5% of a `tiny` step (346.5 vs 337.8 ms,
-            # interleaved). The test suite keeps the net (DROPLESS_FILL_UNINITIALIZED=1, set in
-            # tests/conftest.py and inherited by the processes tests start), so such a read would
-            # show there as NaN.
-            torch.utils.deterministic.fill_uninitialized_memory = (
-                os.environ.get("DROPLESS_FILL_UNINITIALIZED", "0") == "1")
+            placement.deterministic(self.device)
         torch.manual_seed(t.seed)
         self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
         if self.tokenizer.vocab_size > cfg.model.vocab_size:
@@ -132,15 +121,8 @@ class Trainer:
         self.comm_watch = build_watch(self.meshes, self.device, p)  # None in one process
         self.replicas = HotReplicas.build(self.model, self.meshes, p, self.device)  # before the guards
         self.optimizer = build_optimizer(self.model, t)
-        self.overflow: OverflowGuard | None = None
-        if self.distributed and p.ep_mode == "buffered" and self.model.moe_layers():
-            capacity = self.model.moe_layers()[0].dispatcher.capacity(p.max_tokens_per_rank,
-                                                                     cfg.model.moe.top_k)
-            adaptive = (AdaptiveBuffers([m.dispatcher for m in self.model.moe_layers()], p.max_tokens_per_rank,
-                                        cfg.model.moe.top_k, reduce, self.device)
-                        if p.ragged_buffer_factor == "auto" else None)
-            self.overflow = OverflowGuard(self.optimizer, reduce, capacity, p.ragged_buffer_factor,
-                                          p.overflow_check_every, p.overflow_policy, adaptive)
+        self.overflow = (build_guard(self.model, self.optimizer, reduce, p, cfg.model.moe.top_k, self.device)
+                         if self.distributed else None)
         self.nonfinite = NonFiniteGuard(t.max_nonfinite_steps, reduce, device=self.model.embed.weight.device)
         self.start_step = 0
         # routing replay: the record's sequences and expert ids replace the data split's batches

@@ -149,3 +149,18 @@ class OverflowGuard:
         else:
             row["ep_link_pairs"] = self.capacity
         return row
+
+
+def build_guard(model: Any, optimizer: torch.optim.Optimizer, reduce: AllReduce | None, p: Any,
+                top_k: int, device: torch.device) -> OverflowGuard | None:
+    """The trainer's guard for buffered EP (None for exact mode or a model without MoE layers):
+    the capacity of the layers' fixed buffers, and with `ragged_buffer_factor = "auto"` the adaptive
+    link sizes (train/ep_buffers.py). `p`: the ParallelConfig with its token bound filled in."""
+    layers = model.moe_layers()
+    if p.ep_mode != "buffered" or not layers:
+        return None
+    capacity = layers[0].dispatcher.capacity(p.max_tokens_per_rank, top_k)
+    adaptive = (AdaptiveBuffers([m.dispatcher for m in layers], p.max_tokens_per_rank, top_k, reduce, device)
+                if p.ragged_buffer_factor == "auto" else None)
+    return OverflowGuard(optimizer, reduce, capacity, p.ragged_buffer_factor, p.overflow_check_every,
+                         p.overflow_policy, adaptive)
