@@ -65,7 +65,8 @@ ADVICE = {
     "dropped": ("pairs dropped: a capacity factor is set or a buffer is too small",
                 "use the dropless path (moe.capacity_factor=None)"),
     "overflow": ("EP receive buffer overflow: routing demand exceeded ragged_buffer_factor",
-                 "raise parallel.ragged_buffer_factor or set parallel.retry_on_overflow=true"),
+                 "set parallel.ragged_buffer_factor=auto, raise it, or set parallel.on_overflow=retry "
+                 "(or spill)"),
     "bf16_flips": ("the router runs close to ties: a bf16 router would flip expert choices",
                    "keep the router in fp32 (the default); a z-loss keeps logits from growing"),
     "nonfinite": ("steps skipped: their loss or gradient norm was NaN or Inf (parameters, optimizer "
