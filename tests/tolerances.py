@@ -246,3 +246,24 @@ E4M3_SUBNORMAL = 2.0**-10 + 1e-6
 # gradients differ by fp32 roundings that AdamW's per-element normalisation amplifies where a
 # gradient is near zero. 1e-3 nats per step is the issue's bound (the handbook's check).
 UPCYCLE_LOSS_CURVE = 1e-3
+
+# bench train's two models on the same batch (tests/bench/test_bench_train.py): dropless's MoEModel
+# and transformers' Qwen3MoeForCausalLM with the same weights compute the same fp32 function with
+# sums in other orders (fused qkv GEMM vs three, grouped expert GEMM layouts, SDPA kernels, the
+# cross-entropy's reduction), the argument of REFERENCE[fp32], applied to the scalar loss (a mean of
+# O(1) terms, no cancellation). Measured: cross-entropy 4.8e-7 apart at 4.16 (1.1e-7 relative, 2 ulps)
+# with one layer, 0 with two.
+BENCH_TRAIN_LOSS = REFERENCE[torch.float32]
+
+# train.compile against eager training, 5 steps of the tiny run in fp32 (tests/train/test_compile_train.py),
+# relative difference of each step's loss and of the final validation loss (scalars, no cancellation).
+# COMPILED_TRAINING, backend aot_eager: the graphs run torch's eager kernels, but AOTAutograd may
+# decompose an op (a norm, a softmax backward) into others that round differently by an ulp or so;
+# AdamW turns a gradient element's relative change into at most the same relative change of its
+# update (less where |g| >> eps), so after 5 steps the loss moves by a few ulps of the weights'
+# effect: 1e-5 is ~100 fp32 ulps of the loss. Measured 0 (bit-identical) at every step on torch 2.13.
+COMPILED_TRAINING = 1e-5
+# INDUCTOR_TRAINING, backend inductor: the blocks run inductor's generated C++ kernels, which fuse the
+# elementwise ops and reduce (norms, softmax, sums) in their own vectorised order: a few ulps per
+# op and step, the argument above. Measured worst 4.7e-7 (step 4) on torch 2.13, AMX CPU.
+INDUCTOR_TRAINING = 1e-5
