@@ -110,3 +110,28 @@ def test_compiled_state_dict_keys_are_eager_keys() -> None:
     keys = list(model.state_dict())
     compiling.compile_blocks(model, torch.device("cpu"), torch.bfloat16, "aot_eager")
     assert list(model.state_dict()) == keys
+
+
+def test_block_compiles_fullgraph_with_more_rows_than_one_activation_block() -> None:
+    """The lean experts' backward recomputes the activation in blocks of _GRAIN / F rows when there
+    are more rows than that (ops/lean_experts.py); deciding it asks torch.get_num_threads(), which
+    dynamo cannot trace. The tiny runs above never reach it (T*K <= one block): here T*K = 2 * 1100 >
+    32768 / 16, so fullgraph compile of the block (forward and backward) must still succeed."""
+    from dropless.config import load_config
+    from dropless.model import MoEModel
+    from dropless.ops import lean_experts
+
+    cfg = load_config(None, ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=1100",
+                             "model.n_dense_layers=0", "model.moe.num_experts=4", "model.moe.top_k=2",
+                             "model.moe.d_expert=16"]).model
+    assert 1100 * 2 > lean_experts._GRAIN // 16
+    torch.manual_seed(0)
+    model = MoEModel(cfg)
+    compiled = compiling.compile_blocks(model, torch.device("cpu"), torch.bfloat16, "aot_eager")
+    x = torch.randint(0, cfg.vocab_size, (1, 1100))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", compiling.CompileFallback)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x, x).loss
+        loss.backward()
+    assert compiled is not None and compiled.failed is None
