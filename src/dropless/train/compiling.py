@@ -93,7 +93,7 @@ class CompiledBlocks:
                 with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
                     out = compiled(*args, **kwargs)
             except Exception as err:  # any backend or tracing failure: module note, item 2
-                self._fail(f"the first compiled call failed: {type(err).__name__}: {_first_line(err)}")
+                self._fail(f"the first compiled call failed: {_describe(err)}")
                 return block._call_impl(*args, **kwargs)
             if block is self.blocks[-1]:
                 self._first = False  # every block has been built once
@@ -106,9 +106,17 @@ class CompiledBlocks:
         warnings.warn(f"train.compile=true: {why}; training continues eager", CompileFallback, stacklevel=3)
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else ""
+def _describe(err: BaseException) -> str:
+    """The exception's type and first line, and its root cause's (dynamo wraps a backend's error in
+    BackendCompilerFailed, whose own message is only "backend='...' raised:")."""
+    def line(e: BaseException) -> str:
+        text = str(e).strip()
+        return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+    root = err
+    while getattr(root, "inner_exception", None) or root.__cause__:
+        root = getattr(root, "inner_exception", None) or root.__cause__
+    return line(err) if root is err else f"{line(err)} {line(root)}"
 
 
 def dtype_problem(model: nn.Module, autocast_dtype: torch.dtype | None) -> str | None:
