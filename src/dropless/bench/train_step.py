@@ -217,14 +217,15 @@ def build(shape: Shape, device: torch.device, dtype: str = "auto", rows: tuple[s
 def _ranges(modules: dict[str, list[nn.Module]]) -> list[torch.utils.hooks.RemovableHandle]:
     """Forward hooks that open a record_function range named after each module's part."""
     handles = []
+    open_ranges: dict[int, torch.profiler.record_function] = {}  # kept off the modules themselves
     for part, mods in modules.items():
         for m in mods:
             def pre(mod: nn.Module, args: object, part: str = part) -> None:
-                mod._bench_range = torch.profiler.record_function(part)
-                mod._bench_range.__enter__()
+                open_ranges[id(mod)] = torch.profiler.record_function(part)
+                open_ranges[id(mod)].__enter__()
 
             def post(mod: nn.Module, args: object, out: object) -> None:
-                mod._bench_range.__exit__(None, None, None)
+                open_ranges.pop(id(mod)).__exit__(None, None, None)
 
             handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
     return handles
