@@ -25,7 +25,7 @@ softmax-then-top-k routing renormalised (norm_topk_prob), no z-loss; transformer
 on (`output_router_logits=True`, what MoE training needs) and so is dropless's (the same total at
 balance, hf/mapping.py). The losses are the same function: transformers shifts its labels inside the
 loss, dropless gets the shifted targets with the last position ignored (-100), so both average the
-cross-entropy over the same B (S - 1) positions (tests/test_bench_train.py checks the values).
+cross-entropy over the same B (S - 1) positions (tests/bench/test_bench_train.py checks the values).
 
 dtype: both models keep fp32 weights and run their forward under the same autocast; `auto` is what
 `train.dtype = auto` picks (bf16 on CUDA and AMX CPUs, fp32 elsewhere). Under bf16 autocast
@@ -34,14 +34,12 @@ op), so its experts run in fp32 where dropless's run in bf16; that is each libra
 the same autocast, and the table says which dtype it shows.
 
 The split (share of the step): one extra step per row under torch.profiler, after the timing, with
-record_function ranges: forward hooks open "moe" / "attention" ranges around each MoE layer and each
-attention module, "optimizer" covers step + zero_grad, "backward" the backward call. A backward op
-belongs to the part whose forward created it: the profiler gives each forward op and the backward node
-it creates the same sequence number, so the backward time of a part is the summed time of the
-top-level `autograd::engine::evaluate_function` events whose sequence numbers were issued inside that
-part's forward ranges. share = (forward + backward time of the part) / step time (CPU: host time, which
-is the work on the CPU; CUDA: the kernels' device time). The compiled row runs each block as one
-graph: its moe/attention shares are not separable and are left empty.
+"moe" / "attention" ranges around every MoE layer and attention module and an "optimizer" range
+around step + zero_grad; backward ops are charged to the part whose forward created them
+(bench/step_profile.py says how). The compiled row runs each block as one graph: its moe/attention
+shares are not separable and are left empty.
+
+Timing: wall time and this process's CPU time per step, both reported (`_interleaved`).
 """
 
 from __future__ import annotations
@@ -49,7 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import platform
+import os
 import re
 import statistics
 import sys
@@ -59,6 +57,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from ..config import ModelConfig, TrainConfig
 from ..hf import mapping
@@ -67,7 +66,7 @@ from ..model import Attention, MoEModel
 from ..train import compiling
 from ..train.device import resolve
 from ..train.optim import build_optimizer
-from . import hf_baseline
+from . import hf_baseline, step_profile
 from .timing import format_table, sync
 
 
@@ -96,7 +95,6 @@ SHAPES = {
     "medium": Shape(1, 1024, 64, 8, 512, seq_len=512, batch=8, n_heads=16, vocab=8192),
 }
 ROWS = ("dropless", "dropless_compiled", "hf_transformers")
-PARTS = ("moe", "attention", "optimizer")
 COLUMNS = ["variant", "tokens_per_s", "ms_per_step", "vs_hf", "cpu_ms_per_step", "cpu_vs_hf", "moe_share",
            "attention_share", "optimizer_share", "compile_s"]
 
@@ -214,58 +212,7 @@ def build(shape: Shape, device: torch.device, dtype: str = "auto", rows: tuple[s
     return Bench(shape, device, placement.dtype, model, optimizer, compiled, hf, hf_opt, tokens_BS, targets_BS)
 
 
-# ---- the profile split ----------------------------------------------------------------------------
-
-def _ranges(modules: dict[str, list[nn.Module]]) -> list[torch.utils.hooks.RemovableHandle]:
-    """Forward hooks that open a record_function range named after each module's part."""
-    handles = []
-    open_ranges: dict[int, torch.profiler.record_function] = {}  # kept off the modules themselves
-    for part, mods in modules.items():
-        for m in mods:
-            def pre(mod: nn.Module, args: object, part: str = part) -> None:
-                open_ranges[id(mod)] = torch.profiler.record_function(part)
-                open_ranges[id(mod)].__enter__()
-
-            def post(mod: nn.Module, args: object, out: object) -> None:
-                open_ranges.pop(id(mod)).__exit__(None, None, None)
-
-            handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
-    return handles
-
-
-def _descendants(e) -> list:
-    out, todo = [], list(e.cpu_children)
-    while todo:
-        c = todo.pop()
-        out.append(c)
-        todo.extend(c.cpu_children)
-    return out
-
-
-def split(events, device: torch.device) -> dict[str, float]:
-    """Each part's share of the profiled step (module note)."""
-    cuda = device.type == "cuda"
-
-    def t(e) -> float:
-        return float(e.device_time_total if cuda else e.cpu_time_total)
-
-    step = [e for e in events if e.name == "bench.step"]
-    total = sum(t(e) for e in step) if not cuda else sum(t(e) for e in events if e.cpu_parent is None)
-    time_of = {p: 0.0 for p in PARTS}
-    seqs: dict[int, str] = {}
-    for e in events:
-        if e.name in ("moe", "attention"):
-            time_of[e.name] += t(e)
-            for c in _descendants(e):
-                if c.sequence_nr >= 0:
-                    seqs[c.sequence_nr] = e.name
-        elif e.name == "optimizer":
-            time_of["optimizer"] += t(e)
-    for e in events:
-        if e.name.startswith("autograd::engine::evaluate_function") and e.sequence_nr in seqs:
-            time_of[seqs[e.sequence_nr]] += t(e)
-    return {p: (v / total if total > 0 else 0.0) for p, v in time_of.items()}
-
+# ---- the profile split (bench/step_profile.py) --------------------------------------------------
 
 def profile_row(bench: Bench, name: str, step: Callable[[], object]) -> dict[str, float | None]:
     if name == "hf_transformers":
@@ -276,7 +223,7 @@ def profile_row(bench: Bench, name: str, step: Callable[[], object]) -> dict[str
                  "attention": [m for m in bench.model.modules() if isinstance(m, Attention)]}
     else:
         parts = {}  # compiled blocks: one graph each (module note)
-    handles = _ranges(parts)
+    handles = step_profile.ranges(parts)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if bench.device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -288,10 +235,10 @@ def profile_row(bench: Bench, name: str, step: Callable[[], object]) -> dict[str
     finally:
         for h in handles:
             h.remove()
-    shares = split(prof.events(), bench.device)
+    shares = step_profile.split(prof.events(), bench.device)
     if not parts:
         return {"moe_share": None, "attention_share": None, "optimizer_share": shares["optimizer"]}
-    return {f"{p}_share": shares[p] for p in PARTS}
+    return {f"{p}_share": shares[p] for p in step_profile.PARTS}
 
 
 def uses_grouped_mm(bench: Bench) -> bool:
@@ -321,7 +268,7 @@ def run(shape_name: str, device: torch.device, dtype: str, steps: int, warmup: i
     fns = bench.steps()
     meta: dict = {"shape": shape_name, **asdict(shape), "dtype": bench.dtype, "device": str(device),
                   "threads": torch.get_num_threads(), "cpu_flags": cpu_flags(), "torch": torch.__version__,
-                  "steps": steps, "warmup": warmup, "processor": platform.processor()}
+                  "steps": steps, "warmup": warmup}
     if bench.hf is not None:
         import transformers
 
@@ -404,8 +351,15 @@ def main(argv: list[str]) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    say = lambda msg: print(f"[bench train] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    # one tick per stage: build, compile, the warm-up, each timed round, each row's profile
+    bar = tqdm(total=3 + args.steps + len(rows), desc="bench train", file=sys.stderr)
+
+    def say(msg: str) -> None:
+        bar.set_description(msg)
+        bar.update(1)
+
     out, meta = run(args.shape, device, args.dtype, args.steps, args.warmup, rows, say)
+    bar.close()
     s = SHAPES[args.shape]
     where = (f"device={torch.cuda.get_device_name(device)}" if device.type == "cuda"
              else f"threads={meta['threads']}, CPU flags: {meta['cpu_flags']}")
@@ -420,8 +374,6 @@ def main(argv: list[str]) -> int:
     if args.json:
         with open(args.json + ".tmp", "w") as fh:
             json.dump({"meta": meta, "rows": out}, fh, indent=1)
-        import os
-
         os.replace(args.json + ".tmp", args.json)
     return 0
 
