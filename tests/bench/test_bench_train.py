@@ -98,7 +98,7 @@ def test_bad_arguments_exit_2_and_write_nothing(tmp_path: Path, capsys: pytest.C
     out = tmp_path / "r.json"
     for argv, flag in ((["--shape", "huge"], "--shape"), (["--family", "mixtral"], "--family"),
                        (["--rows", "dropless,foo"], "--rows"), (["--steps", "0"], "--steps"),
-                       (["--dtype", "fp16"], "--dtype")):
+                       (["--dtype", "fp16"], "--dtype"), (["--align", "0"], "--align")):
         assert bt.main(argv + ["--json", str(out)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("dropless bench train: error: ") and flag in err, err
@@ -113,3 +113,12 @@ def test_json_rows(tmp_path: Path) -> None:
     assert [r["variant"] for r in data["rows"]] == ["dropless", "hf_transformers"]
     assert data["meta"]["dtype"] == "fp32" and data["meta"]["shape"] == "tiny"
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_align_reaches_the_model_and_keeps_the_loss() -> None:
+    """--align pads each expert's rows in the routing plan (padding rows are never read): the same
+    loss as transformers' within fp32 noise, and the layers really run with it."""
+    bench = bt.build(bt.SHAPES["tiny"], torch.device("cpu"), "fp32", rows=("dropless", "hf_transformers"), align=8)
+    assert all(layer.cfg.align == 8 for layer in bench.model.moe_layers())
+    hf_ce, _ = _hf_ce(bench)
+    assert_close(bench.model(bench.tokens_BS, bench.targets_BS).ce_loss, hf_ce.detach(), BENCH_TRAIN_LOSS, "cross-entropy")

@@ -52,7 +52,7 @@ import re
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 import torch
@@ -112,8 +112,11 @@ def hf_config_dict(shape: Shape) -> dict:
             "attention_bias": False, "router_aux_loss_coef": 0.001, "initializer_range": 0.02}
 
 
-def model_config(shape: Shape) -> ModelConfig:
-    return mapping.model_config(hf_config_dict(shape))[0]
+def model_config(shape: Shape, align: int = 1) -> ModelConfig:
+    """`align`: model.moe.align of the dropless model (the per-expert row padding of its routing
+    plan; 1, the default, pads nothing)."""
+    cfg = mapping.model_config(hf_config_dict(shape))[0]
+    return replace(cfg, moe=replace(cfg.moe, align=align)) if align != 1 else cfg
 
 
 def build_hf(model: MoEModel, shape: Shape) -> nn.Module:
@@ -197,11 +200,11 @@ class Bench:
 
 
 def build(shape: Shape, device: torch.device, dtype: str = "auto", rows: tuple[str, ...] = ROWS,
-          backend: str | Callable | None = None) -> Bench:
+          backend: str | Callable | None = None, align: int = 1) -> Bench:
     """The models, optimizers and batch of one benchmark (weights seeded: the same every run)."""
     placement = resolve(device, dtype)
     torch.manual_seed(0)
-    model = MoEModel(model_config(shape))
+    model = MoEModel(model_config(shape, align))
     hf = build_hf(model, shape).to(device) if "hf_transformers" in rows else None
     model = model.to(device)
     optimizer = build_optimizer(model, TrainConfig())
@@ -260,15 +263,15 @@ def cpu_flags() -> str:
 
 def run(shape_name: str, device: torch.device, dtype: str, steps: int, warmup: int,
         rows: tuple[str, ...] = ROWS, progress: Callable[[str], None] | None = None,
-        backend: str | Callable | None = None) -> tuple[list[dict], dict]:
+        backend: str | Callable | None = None, align: int = 1) -> tuple[list[dict], dict]:
     shape = SHAPES[shape_name]
     say = progress or (lambda msg: None)
     say("building models")
-    bench = build(shape, device, dtype, rows, backend)
+    bench = build(shape, device, dtype, rows, backend, align)
     fns = bench.steps()
     meta: dict = {"shape": shape_name, **asdict(shape), "dtype": bench.dtype, "device": str(device),
                   "threads": torch.get_num_threads(), "cpu_flags": cpu_flags(), "torch": torch.__version__,
-                  "steps": steps, "warmup": warmup}
+                  "steps": steps, "warmup": warmup, "align": align}
     if bench.hf is not None:
         import transformers
 
@@ -340,6 +343,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--dtype", default="auto", help="auto | bf16 | fp32 (the autocast of both models)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's choice)")
     ap.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows to time")
+    ap.add_argument("--align", type=int, default=1, help="model.moe.align of the dropless rows (default 1)")
     ap.add_argument("--json", help="write the rows and the run's settings to this file")
     args = ap.parse_args(argv)
     rows = tuple(r for r in args.rows.split(",") if r)
@@ -358,14 +362,14 @@ def main(argv: list[str]) -> int:
         bar.set_description(msg)
         bar.update(1)
 
-    out, meta = run(args.shape, device, args.dtype, args.steps, args.warmup, rows, say)
+    out, meta = run(args.shape, device, args.dtype, args.steps, args.warmup, rows, say, align=args.align)
     bar.close()
     s = SHAPES[args.shape]
     where = (f"device={torch.cuda.get_device_name(device)}" if device.type == "cuda"
              else f"threads={meta['threads']}, CPU flags: {meta['cpu_flags']}")
     print(f"train bench: qwen3_moe {args.shape} ({s.n_layers} layers, d={s.d_model} E={s.num_experts} "
           f"k={s.top_k} f={s.d_expert} V={s.vocab}, batch {s.batch} x seq {s.seq_len}), "
-          f"autocast {meta['dtype']}, {where}, median of {args.steps}")
+          f"autocast {meta['dtype']}, dropless model.moe.align={args.align}, {where}, median of {args.steps}")
     print(format_table(out, COLUMNS))
     if "compile_failed" in meta:
         print(f"dropless_compiled ran eager: {meta['compile_failed']}")
@@ -392,6 +396,8 @@ def _check(args: argparse.Namespace, rows: tuple[str, ...]) -> None:
     for name in ("steps", "threads"):
         if getattr(args, name) < (1 if name == "steps" else 0):
             raise ValueError(f"--{name} {getattr(args, name)}: must be >= {1 if name == 'steps' else 0}")
+    if args.align < 1:
+        raise ValueError(f"--align {args.align}: must be >= 1")
     if args.warmup < 0:
         raise ValueError(f"--warmup {args.warmup}: must be >= 0")
     bad = [r for r in rows if r not in ROWS]
