@@ -246,3 +246,30 @@ E4M3_SUBNORMAL = 2.0**-10 + 1e-6
 # gradients differ by fp32 roundings that AdamW's per-element normalisation amplifies where a
 # gradient is near zero. 1e-3 nats per step is the issue's bound (the handbook's check).
 UPCYCLE_LOSS_CURVE = 1e-3
+
+# bench train's two models on the same batch (tests/bench/test_bench_train.py): dropless's MoEModel
+# and transformers' Qwen3MoeForCausalLM with the same weights compute the same fp32 function with
+# sums in other orders (fused qkv GEMM vs three, grouped expert GEMM layouts, SDPA kernels, the
+# cross-entropy's reduction), the argument of REFERENCE[fp32], applied to the scalar loss (a mean of
+# O(1) terms, no cancellation). Measured: cross-entropy 4.8e-7 apart at 4.16 (1.1e-7 relative, 2 ulps)
+# with one layer, 0 with two.
+BENCH_TRAIN_LOSS = REFERENCE[torch.float32]
+
+# train.compile against eager training: 5 steps of the tiny run (lr 1e-2) under bf16 autocast
+# (tests/train/test_compile_train.py; fp32 runs cannot compile, train/compiling.py), relative difference
+# of each step's loss and of the final validation loss. Step 0's forward is the same function; its
+# gradients are not bit-equal, because the compiled backward rounds to bf16 at other points (AOTAutograd
+# traces autocast's casts into the graph and may decompose an op, inductor fuses element-wise chains and
+# keeps their intermediates in fp32), i.e. differences of a bf16 ulp (2^-8) in gradient elements; AdamW
+# turns them into lr-sized weight differences where a moment's sign is close, and the later losses
+# drift apart. Scale of that drift for a change of kernel path alone: eager with oneDNN capped below
+# AMX (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16) against default eager, worst 1.5e-4 (step 3).
+# COMPILED_TRAINING (backend aot_eager, the fast test): measured worst 9.6e-4 (step 4); 5e-3 is 5x.
+# A fault in the compiled path lands outside: the compile-only SwiGLU backward
+# (ops/activations._swiglu_backward_functional) with the up-projection's gradient negated moves the
+# losses by 1.4e-2 (step 1) to 3.9e-2 (step 4), the validation loss by 5.5e-2.
+COMPILED_TRAINING = 5e-3
+# INDUCTOR_TRAINING (backend inductor, the slow test): measured worst 9.3e-3 (step 3: 5.0560 vs 5.1034)
+# on torch 2.13, AMX CPU; inductor's fp32 intermediates inside fused kernels change more roundings
+# than aot_eager's eager kernels. 3e-2 is 3x; the fault above still moves the validation loss further.
+INDUCTOR_TRAINING = 3e-2

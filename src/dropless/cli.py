@@ -33,6 +33,7 @@ BENCHMARKS = {
     "generate": "dropless.bench.generate",
     "memory": "dropless.bench.memory",
     "a2a": "dropless.bench.a2a",
+    "train": "dropless.bench.train_step",
 }
 
 

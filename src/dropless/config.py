@@ -274,6 +274,9 @@ class TrainConfig:
     ckpt_every: int = 200
     keep_last: int = 2
     threads: int = 0  # torch intra-op threads (0 = torch's default)
+    # torch.compile each transformer block (train/compiling.py: fullgraph, in place; falls back to
+    # eager with one warning where the backend cannot compile). The first step pays the compile.
+    compile: bool = False
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_every", "eval_batches",

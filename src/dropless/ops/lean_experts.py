@@ -103,7 +103,8 @@ def _swiglu_recompute_backward(h_RW: torch.Tensor, w_R: torch.Tensor | None, da_
     Otherwise (a split inside a row) the whole-tensor functions themselves."""
     R, F_ = h_RW.shape[0], h_RW.shape[1] // 2
     rows = max(1, _GRAIN // max(F_, 1))
-    if R <= rows or not _row_aligned(R, F_) or torch.compiler.is_compiling():
+    # is_compiling first: _row_aligned asks torch.get_num_threads(), which dynamo cannot trace
+    if torch.compiler.is_compiling() or R <= rows or not _row_aligned(R, F_):
         a_RF, s_RF = swiglu_forward(h_RW, w_R)
         dh_RW, dw_R = swiglu_backward(da_RF, h_RW, s_RF, w_R, want_grad_w, w_dtype)
         return a_RF, dh_RW, dw_R

@@ -46,6 +46,7 @@ from ..distributed import parallelize as par
 from ..distributed.watch import build_watch, watch_step
 from ..model import MoEModel
 from . import checkpoint as ckpt
+from . import compiling
 from . import dist_checkpoint
 from . import device as placement
 from .data import eval_batches, get_batch, load_splits
@@ -120,6 +121,9 @@ class Trainer:
             reduce = par.dp_all_reduce(self.meshes.dp_group)
         self.comm_watch = build_watch(self.meshes, self.device, p)  # None in one process
         self.replicas = HotReplicas.build(self.model, self.meshes, p, self.device)  # before the guards
+        # train.compile: the blocks compiled in place (names, state and checkpoints unchanged)
+        self.compiled = (compiling.compile_blocks(self.model, self.device, self.placement.autocast_dtype)
+                         if t.compile else None)
         self.optimizer = build_optimizer(self.model, t)
         self.overflow = (build_guard(self.model, self.optimizer, reduce, p, cfg.model.moe.top_k, self.device)
                          if self.distributed else None)

@@ -1,0 +1,407 @@
+"""`dropless bench train`: one whole training step of a Qwen3-MoE model, dropless against transformers.
+
+Legend: B batch, S sequence, D model width, E experts, K experts per token, F expert width, V vocabulary.
+
+    dropless bench train --family qwen3_moe --shape small|medium [--json FILE] [--threads N]
+                         [--steps N] [--device cpu|cuda] [--dtype auto|bf16|fp32]
+
+One step = forward, loss, backward, AdamW step, zero_grad, on the same model (same weights) and the
+same batch for every row, timed in turns (bench/timing.py: warm-up rounds first, then the median of
+`--steps` interleaved rounds):
+- dropless           MoEModel as the trainer runs it: the forward under the run's autocast,
+                     `out.loss.backward()`, the trainer's optimizer (train/optim.py: fused AdamW, no
+                     decay on norms), `zero_grad(set_to_none=True)`.
+- dropless_compiled  the same model and optimizer with its blocks compiled (train/compiling.py, what
+                     `train.compile = true` does); the first warm-up call pays the compile, reported
+                     as compile_s.
+- hf_transformers    transformers' Qwen3MoeForCausalLM holding the same weights (hf/mapping.py's
+                     table), its experts on the `grouped_mm` implementation (transformers 5 resolves an
+                     unset `experts_implementation` to it in `get_correct_experts_implementation`; set
+                     explicitly here and checked with the profiler), SDPA attention, and the step a user
+                     writes: `model(input_ids, labels=input_ids).loss.backward()`,
+                     `torch.optim.AdamW(model.parameters()).step()`, `zero_grad()`.
+The model is built from a Qwen3-MoE config.json (as `import-hf` would read it): q/k RMSNorm,
+softmax-then-top-k routing renormalised (norm_topk_prob), no z-loss; transformers' balancing loss is
+on (`output_router_logits=True`, what MoE training needs) and so is dropless's (the same total at
+balance, hf/mapping.py). The losses are the same function: transformers shifts its labels inside the
+loss, dropless gets the shifted targets with the last position ignored (-100), so both average the
+cross-entropy over the same B (S - 1) positions (tests/bench/test_bench_train.py checks the values).
+
+dtype: both models keep fp32 weights and run their forward under the same autocast; `auto` is what
+`train.dtype = auto` picks (bf16 on CUDA and AMX CPUs, fp32 elsewhere). Under bf16 autocast
+transformers' grouped_mm casts its input to the weights' dtype (fp32: grouped_mm is not an autocast
+op), so its experts run in fp32 where dropless's run in bf16; that is each library's behaviour under
+the same autocast, and the table says which dtype it shows.
+
+The split (share of the step): one extra step per row under torch.profiler, after the timing, with
+"moe" / "attention" ranges around every MoE layer and attention module and an "optimizer" range
+around step + zero_grad; backward ops are charged to the part whose forward created them
+(bench/step_profile.py says how). The compiled row runs each block as one graph: its moe/attention
+shares are not separable and are left empty.
+
+Timing: wall time and this process's CPU time per step, both reported (`_interleaved`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Callable
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from ..config import ModelConfig, TrainConfig
+from ..hf import mapping
+from ..layers.moe import MoELayer
+from ..model import Attention, MoEModel
+from ..train import compiling
+from ..train.device import resolve
+from ..train.optim import build_optimizer
+from . import hf_baseline, step_profile
+from .timing import format_table, sync
+
+
+@dataclass(frozen=True)
+class Shape:
+    n_layers: int
+    d_model: int
+    num_experts: int
+    top_k: int
+    d_expert: int
+    seq_len: int
+    batch: int
+    n_heads: int  # head width D / H = 64 at small and medium (Qwen3's head_dim is 128; 64 keeps H >= 8)
+    vocab: int
+
+
+# "tiny" is for the tests. medium has 1 layer, not small's 4: a medium layer holds 100M expert
+# parameters, 1.6 GB per model with gradients and AdamW state, and the bench holds two models
+# (dropless's, shared by its two rows, and transformers'); on the shared 23 GB machine of session 6
+# (other jobs using 12-19 GB) a 2-layer run grew past 6.8 GB resident before its first timed step and
+# was stopped. Every layer is the same, so one layer keeps the per-layer comparison; the head and the
+# loss weigh more in the step than with 4.
+SHAPES = {
+    "tiny": Shape(2, 32, 8, 2, 16, seq_len=16, batch=2, n_heads=2, vocab=64),
+    "small": Shape(4, 512, 32, 4, 256, seq_len=512, batch=8, n_heads=8, vocab=8192),
+    "medium": Shape(1, 1024, 64, 8, 512, seq_len=512, batch=8, n_heads=16, vocab=8192),
+}
+ROWS = ("dropless", "dropless_compiled", "hf_transformers")
+COLUMNS = ["variant", "tokens_per_s", "ms_per_step", "vs_hf", "cpu_ms_per_step", "cpu_vs_hf", "moe_share",
+           "attention_share", "optimizer_share", "compile_s"]
+
+
+def hf_config_dict(shape: Shape) -> dict:
+    """The Qwen3-MoE config.json of the benchmark model (every layer MoE)."""
+    return {"model_type": "qwen3_moe", "vocab_size": shape.vocab, "hidden_size": shape.d_model,
+            "num_hidden_layers": shape.n_layers, "num_attention_heads": shape.n_heads,
+            "num_key_value_heads": shape.n_heads, "head_dim": shape.d_model // shape.n_heads,
+            "num_experts": shape.num_experts, "num_experts_per_tok": shape.top_k,
+            "moe_intermediate_size": shape.d_expert, "intermediate_size": 4 * shape.d_expert,
+            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "max_position_embeddings": shape.seq_len, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "tie_word_embeddings": False,
+            "attention_bias": False, "router_aux_loss_coef": 0.001, "initializer_range": 0.02}
+
+
+def model_config(shape: Shape, align: int = 1) -> ModelConfig:
+    """`align`: model.moe.align of the dropless model (the per-expert row padding of its routing
+    plan; 1, the default, pads nothing)."""
+    cfg = mapping.model_config(hf_config_dict(shape))[0]
+    return replace(cfg, moe=replace(cfg.moe, align=align)) if align != 1 else cfg
+
+
+def build_hf(model: MoEModel, shape: Shape) -> nn.Module:
+    """transformers' Qwen3MoeForCausalLM with `model`'s weights (grouped_mm experts, SDPA)."""
+    hf_baseline._transformers()  # the optional-dependency error, if any
+    import transformers
+
+    hf_dict = {k: v for k, v in hf_config_dict(shape).items() if k != "model_type"}
+    cfg = transformers.Qwen3MoeConfig(**hf_dict, output_router_logits=True, use_cache=False)
+    hf = transformers.AutoModelForCausalLM.from_config(
+        cfg, dtype=torch.float32, experts_implementation="grouped_mm", attn_implementation="sdpa")
+    table = {s.hf_name: s for s in mapping.slots(model.cfg, "qwen3_moe") + mapping.fused_slots(model.cfg, "qwen3_moe")}
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            s = table[name]  # a KeyError here is a name the table does not know: a real mismatch
+            src = params[s.param][s.index] if s.index else params[s.param]
+            p.copy_(src.transpose(-1, -2) if s.transpose else src)
+    return hf.train()
+
+
+def batch(shape: Shape, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens_BS and dropless's targets_BS: the next token, -100 (ignored) at the last position, which
+    is what transformers' labels=input_ids computes after its shift."""
+    g = torch.Generator().manual_seed(seed)
+    tokens_BS = torch.randint(0, shape.vocab, (shape.batch, shape.seq_len), generator=g)
+    targets_BS = torch.cat([tokens_BS[:, 1:], torch.full((shape.batch, 1), -100)], dim=1)
+    return tokens_BS, targets_BS
+
+
+@dataclass
+class Bench:
+    shape: Shape
+    device: torch.device
+    dtype: str  # "bf16" | "fp32": the autocast of both models' forward
+    model: MoEModel
+    optimizer: torch.optim.Optimizer
+    compiled: compiling.CompiledBlocks | None
+    hf: nn.Module | None
+    hf_optimizer: torch.optim.Optimizer | None
+    tokens_BS: torch.Tensor
+    targets_BS: torch.Tensor
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.dtype == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+    def dropless_loss(self) -> torch.Tensor:
+        with self.autocast():
+            return self.model(self.tokens_BS, self.targets_BS).loss
+
+    def hf_loss(self) -> torch.Tensor:
+        with self.autocast():
+            return self.hf(input_ids=self.tokens_BS, labels=self.tokens_BS).loss
+
+    def steps(self) -> dict[str, Callable[[], object]]:
+        """One training step per row (module note)."""
+        def dropless(compiled: bool) -> Callable[[], None]:
+            def step() -> None:
+                if self.compiled is not None:
+                    self.compiled.enabled = compiled
+                self.dropless_loss().backward()
+                with torch.profiler.record_function("optimizer"):
+                    self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+            return step
+
+        def hf() -> None:
+            self.hf_loss().backward()
+            with torch.profiler.record_function("optimizer"):
+                self.hf_optimizer.step()
+                self.hf_optimizer.zero_grad()
+
+        out: dict[str, Callable[[], object]] = {"dropless": dropless(False)}
+        if self.compiled is not None:
+            out["dropless_compiled"] = dropless(True)
+        if self.hf is not None:
+            out["hf_transformers"] = hf
+        return out
+
+
+def build(shape: Shape, device: torch.device, dtype: str = "auto", rows: tuple[str, ...] = ROWS,
+          backend: str | Callable | None = None, align: int = 1) -> Bench:
+    """The models, optimizers and batch of one benchmark (weights seeded: the same every run)."""
+    placement = resolve(device, dtype)
+    torch.manual_seed(0)
+    model = MoEModel(model_config(shape, align))
+    hf = build_hf(model, shape).to(device) if "hf_transformers" in rows else None
+    model = model.to(device)
+    optimizer = build_optimizer(model, TrainConfig())
+    compiled = (compiling.compile_blocks(model, device, placement.autocast_dtype, backend)
+                if "dropless_compiled" in rows else None)
+    hf_opt = torch.optim.AdamW(hf.parameters(), lr=TrainConfig().lr) if hf is not None else None
+    tokens_BS, targets_BS = (t.to(device) for t in batch(shape))
+    return Bench(shape, device, placement.dtype, model, optimizer, compiled, hf, hf_opt, tokens_BS, targets_BS)
+
+
+# ---- the profile split (bench/step_profile.py) --------------------------------------------------
+
+def profile_row(bench: Bench, name: str, step: Callable[[], object]) -> dict[str, float | None]:
+    if name == "hf_transformers":
+        layers = bench.hf.model.layers
+        parts = {"moe": [l.mlp for l in layers], "attention": [l.self_attn for l in layers]}
+    elif name == "dropless":
+        parts = {"moe": [m for m in bench.model.modules() if isinstance(m, MoELayer)],
+                 "attention": [m for m in bench.model.modules() if isinstance(m, Attention)]}
+    else:
+        parts = {}  # compiled blocks: one graph each (module note)
+    handles = step_profile.ranges(parts)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if bench.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    try:
+        with torch.profiler.profile(activities=activities) as prof:
+            with torch.profiler.record_function("bench.step"):
+                step()
+            sync(bench.device)
+    finally:
+        for h in handles:
+            h.remove()
+    shares = step_profile.split(prof.events(), bench.device)
+    if not parts:
+        return {"moe_share": None, "attention_share": None, "optimizer_share": shares["optimizer"]}
+    return {f"{p}_share": shares[p] for p in step_profile.PARTS}
+
+
+def uses_grouped_mm(bench: Bench) -> bool:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        bench.hf_loss()
+    return any("grouped_mm" in e.key for e in prof.key_averages())
+
+
+# ---- running ----------------------------------------------------------------------------------------
+
+def cpu_flags() -> str:
+    """The AMX / AVX-512-BF16 flags of this CPU (docs/benchmarks.md quotes them beside speed figures)."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return "unknown"
+    return " ".join(sorted(set(re.findall(r"\b(amx[a-z_0-9]*|avx512_bf16)\b", text)))) or "none"
+
+
+def run(shape_name: str, device: torch.device, dtype: str, steps: int, warmup: int,
+        rows: tuple[str, ...] = ROWS, progress: Callable[[str], None] | None = None,
+        backend: str | Callable | None = None, align: int = 1) -> tuple[list[dict], dict]:
+    shape = SHAPES[shape_name]
+    say = progress or (lambda msg: None)
+    say("building models")
+    bench = build(shape, device, dtype, rows, backend, align)
+    fns = bench.steps()
+    meta: dict = {"shape": shape_name, **asdict(shape), "dtype": bench.dtype, "device": str(device),
+                  "threads": torch.get_num_threads(), "cpu_flags": cpu_flags(), "torch": torch.__version__,
+                  "steps": steps, "warmup": warmup, "align": align}
+    if bench.hf is not None:
+        import transformers
+
+        meta["transformers"] = transformers.__version__
+        meta["hf_grouped_mm"] = uses_grouped_mm(bench)
+    compile_s = None
+    if "dropless_compiled" in fns:
+        say("compiling the blocks (first compiled step)")
+        compile_s = _seconds(fns["dropless_compiled"], device)
+        if bench.compiled is not None and bench.compiled.failed is not None:
+            meta["compile_failed"] = bench.compiled.failed
+    elif "dropless_compiled" in rows:
+        meta["compile_failed"] = "compile not attempted (see the warning)"
+    say(f"timing {', '.join(fns)}: {warmup} warm-up + {steps} rounds")
+    ms, cpu_ms = _interleaved(fns, steps, warmup, device, lambda rep: say(f"round {rep + 1}/{steps}"))
+    tokens = shape.batch * shape.seq_len
+    out = []
+    for name, fn in fns.items():
+        say(f"profiling {name}")
+        row = {"variant": name, "tokens_per_s": tokens / (ms[name] / 1e3), "ms_per_step": ms[name],
+               "cpu_ms_per_step": cpu_ms[name], **profile_row(bench, name, fn),
+               "compile_s": compile_s if name == "dropless_compiled" else None}
+        out.append(row)
+    hf = next((r for r in out if r["variant"] == "hf_transformers"), None)
+    for row in out:
+        row["vs_hf"] = hf["ms_per_step"] / row["ms_per_step"] if hf else None
+        row["cpu_vs_hf"] = hf["cpu_ms_per_step"] / row["cpu_ms_per_step"] if hf else None
+    return out, meta
+
+
+def _interleaved(fns: dict[str, Callable[[], object]], steps: int, warmup: int, device: torch.device,
+                 progress: Callable[[int], None]) -> tuple[dict[str, float], dict[str, float]]:
+    """bench/timing.py's round-robin, keeping two clocks per call: wall milliseconds, and this
+    process's CPU milliseconds (all its threads), which on a shared, oversubscribed CPU leaves out
+    the time slices other processes took (with --threads 1 it is the work done; wall is what a user
+    waits). Medians over the rounds."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    wall: dict[str, list[float]] = {n: [] for n in fns}
+    cpu: dict[str, list[float]] = {n: [] for n in fns}
+    for rep in range(steps):
+        for name, fn in fns.items():
+            sync(device)
+            c0, w0 = time.process_time(), time.perf_counter()
+            fn()
+            sync(device)
+            wall[name].append((time.perf_counter() - w0) * 1e3)
+            cpu[name].append((time.process_time() - c0) * 1e3)
+        progress(rep)
+    return ({n: statistics.median(v) for n, v in wall.items()}, {n: statistics.median(v) for n, v in cpu.items()})
+
+
+def _seconds(fn: Callable[[], object], device: torch.device) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="dropless bench train", description=__doc__.split("\n")[0])
+    ap.add_argument("--family", default="qwen3_moe", help="model family (qwen3_moe)")
+    ap.add_argument("--shape", default="small", help="small | medium (tiny: for tests)")
+    ap.add_argument("--steps", type=int, default=5, help="timed rounds (the median is reported)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first (after the compile step)")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda")
+    ap.add_argument("--dtype", default="auto", help="auto | bf16 | fp32 (the autocast of both models)")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's choice)")
+    ap.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows to time")
+    ap.add_argument("--align", type=int, default=1, help="model.moe.align of the dropless rows (default 1)")
+    ap.add_argument("--json", help="write the rows and the run's settings to this file")
+    args = ap.parse_args(argv)
+    rows = tuple(r for r in args.rows.split(",") if r)
+    try:
+        _check(args, rows)
+    except ValueError as err:
+        print(f"dropless bench train: error: {err}", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    # one tick per stage: build, compile, the warm-up, each timed round, each row's profile
+    bar = tqdm(total=3 + args.steps + len(rows), desc="bench train", file=sys.stderr)
+
+    def say(msg: str) -> None:
+        bar.set_description(msg)
+        bar.update(1)
+
+    out, meta = run(args.shape, device, args.dtype, args.steps, args.warmup, rows, say, align=args.align)
+    bar.close()
+    s = SHAPES[args.shape]
+    where = (f"device={torch.cuda.get_device_name(device)}" if device.type == "cuda"
+             else f"threads={meta['threads']}, CPU flags: {meta['cpu_flags']}")
+    print(f"train bench: qwen3_moe {args.shape} ({s.n_layers} layers, d={s.d_model} E={s.num_experts} "
+          f"k={s.top_k} f={s.d_expert} V={s.vocab}, batch {s.batch} x seq {s.seq_len}), "
+          f"autocast {meta['dtype']}, dropless model.moe.align={args.align}, {where}, median of {args.steps}")
+    print(format_table(out, COLUMNS))
+    if "compile_failed" in meta:
+        print(f"dropless_compiled ran eager: {meta['compile_failed']}")
+    if meta.get("hf_grouped_mm") is False:
+        print("warning: transformers' experts did not run grouped_mm", file=sys.stderr)
+    if args.json:
+        with open(args.json + ".tmp", "w") as fh:
+            json.dump({"meta": meta, "rows": out}, fh, indent=1)
+        os.replace(args.json + ".tmp", args.json)
+    return 0
+
+
+def _check(args: argparse.Namespace, rows: tuple[str, ...]) -> None:
+    if args.family != "qwen3_moe":
+        raise ValueError(f"--family {args.family!r}: only qwen3_moe is benchmarked")
+    if args.shape not in SHAPES:
+        raise ValueError(f"--shape {args.shape!r}: choose one of {', '.join(SHAPES)}")
+    if args.device not in ("cpu", "cuda"):
+        raise ValueError(f"--device {args.device!r}: choose cpu or cuda")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: CUDA is not available to this torch")
+    if args.dtype not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"--dtype {args.dtype!r}: choose auto, bf16 or fp32")
+    for name in ("steps", "threads"):
+        if getattr(args, name) < (1 if name == "steps" else 0):
+            raise ValueError(f"--{name} {getattr(args, name)}: must be >= {1 if name == 'steps' else 0}")
+    if args.align < 1:
+        raise ValueError(f"--align {args.align}: must be >= 1")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup {args.warmup}: must be >= 0")
+    bad = [r for r in rows if r not in ROWS]
+    if bad or not rows:
+        raise ValueError(f"--rows {','.join(rows)!r}: choose from {', '.join(ROWS)}")
+    if "hf_transformers" in rows and not hf_baseline.available():
+        raise ValueError("--rows hf_transformers: transformers is not installed (pip install 'dropless[hf]')")

@@ -1,0 +1,149 @@
+"""`train.compile = true`: torch.compile per transformer block, with one clear fallback to eager.
+
+Why per block: every block of a model has the same code, so dynamo traces one graph per block
+instance (guards on the module identity) from the same Python, and a graph is small enough to compile
+in seconds to a minute; the embedding, the final norm, the LM head and the cross-entropy stay eager
+(one GEMM and a loss: nothing for the compiler to fuse that pays for its time).
+
+fullgraph=True: a block (attention, norms, the MoE layer) is one graph or an error. A graph break in
+the MoE layer would be a host read of device data (`.item()`, a Python branch on a tensor), which the
+layer does not have (tests/test_compile.py proves it for the layer alone); failing loudly keeps it so.
+Shapes: the ragged expert groups are device tensors (counts and offsets fed to grouped_mm), not
+shapes, so the training batch [B, S] gives static shapes; `dynamic=None` (torch's default) compiles
+the first shape static and marks a dimension dynamic when a second size shows up (the evaluation
+batch), one recompile instead of one per size.
+
+Compiled in place (`nn.Module.compile`): parameter names, `state_dict` keys and checkpoints are the
+same as eager, and the optimizer holds the same parameters.
+
+Fallback, decided twice:
+1. Up front: inductor writes C++ (CPU) or Triton (CUDA) kernels; without a working C++ compiler or
+   without triton it cannot (`compiler_problem`). And torch's grouped_mm traces in bf16 only
+   (`dtype_problem`): an fp32 run (train.dtype=fp32, or auto on a CPU without AMX) stays eager. In
+   either case compile is not attempted.
+2. At the first call of each block: dynamo traces and inductor builds the forward there; its backward
+   is normally built lazily at the first backward, where an error would surface inside
+   `loss.backward()` with no way back, so the first call forces the backward to be built with the
+   forward (`force_non_lazy_backward_lowering`). Any exception there turns compile off for every block
+   (a model half compiled would be neither path) and the call runs eager.
+Both say so with one warning (`warnings.warn`, category CompileFallback) naming the reason.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+BACKEND = "inductor"
+
+
+class CompileFallback(UserWarning):
+    """train.compile could not compile; the run continues eager."""
+
+
+def compiler_problem(device: torch.device, backend: str | Callable) -> str | None:
+    """Why `backend` cannot build kernels on `device`, or None when it can (as far as can be told
+    before compiling; the first call catches the rest)."""
+    if backend != "inductor":
+        return None
+    if device.type == "cpu":
+        from torch._inductor import cpp_builder
+
+        try:
+            cpp_builder.get_cpp_compiler()  # runs `<cxx> --version` on the candidates
+        except Exception as err:  # InvalidCxxCompiler, or an import error on a stripped install
+            return f"no working C++ compiler for inductor's CPU kernels ({type(err).__name__}: {err})".strip()
+        return None
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return None if has_triton() else "triton is not installed (inductor's CUDA kernels need it)"
+    return f"inductor has no kernels for device {device.type!r}"
+
+
+class CompiledBlocks:
+    """The blocks of one model compiled in place, and the switch that turns them back to eager.
+
+    `enabled` (default True) selects the compiled call; False runs every block's plain forward (the
+    bench times both paths on one model and one optimizer). `failed` holds the reason once the first
+    call failed; compile then stays off."""
+
+    def __init__(self, blocks: Sequence[nn.Module], backend: str | Callable) -> None:
+        self.blocks = list(blocks)
+        self.backend = backend
+        self.enabled = True
+        self.failed: str | None = None
+        self._first = True
+        for block in self.blocks:
+            block.compile(fullgraph=True, dynamic=None, backend=backend)
+            # nn.Module.__call__ runs `_compiled_call_impl` when set: put the guard in front of it
+            compiled = block._compiled_call_impl
+            block._compiled_call_impl = self._guarded(block, compiled)
+
+    def _guarded(self, block: nn.Module, compiled: Callable) -> Callable:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not self.enabled or self.failed is not None:
+                return block._call_impl(*args, **kwargs)
+            if not self._first:
+                return compiled(*args, **kwargs)
+            try:
+                with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+                    out = compiled(*args, **kwargs)
+            except Exception as err:  # any backend or tracing failure: module note, item 2
+                self._fail(f"the first compiled call failed: {_describe(err)}")
+                return block._call_impl(*args, **kwargs)
+            if block is self.blocks[-1]:
+                self._first = False  # every block has been built once
+            return out
+
+        return call
+
+    def _fail(self, why: str) -> None:
+        self.failed = why
+        warnings.warn(f"train.compile=true: {why}; training continues eager", CompileFallback, stacklevel=3)
+
+
+def _describe(err: BaseException) -> str:
+    """The exception's type and first line, and its root cause's (dynamo wraps a backend's error in
+    BackendCompilerFailed, whose own message is only "backend='...' raised:")."""
+    def line(e: BaseException) -> str:
+        text = str(e).strip()
+        return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+    root = err
+    while getattr(root, "inner_exception", None) or root.__cause__:
+        root = getattr(root, "inner_exception", None) or root.__cause__
+    return line(err) if root is err else f"{line(err)} {line(root)}"
+
+
+def dtype_problem(model: nn.Module, autocast_dtype: torch.dtype | None) -> str | None:
+    """Why the MoE layers cannot be traced at this precision, or None. torch's shape rule for
+    grouped_mm (its meta function, which dynamo runs while tracing) accepts bf16 operands only (torch
+    2.13), while its eager CPU kernel also takes fp32: an fp32 run's experts cannot be compiled."""
+    from ..layers.moe import MoELayer
+
+    if autocast_dtype == torch.bfloat16:
+        return None
+    for layer in model.modules():
+        if isinstance(layer, MoELayer) and layer.experts.backend == "grouped_mm" and \
+                layer.experts.w_gate_up_EDF.dtype != torch.bfloat16:
+            return ("torch's grouped_mm can be traced with bf16 operands only, and this run's experts "
+                    "compute in fp32 (train.dtype=fp32, or auto on a CPU without AMX)")
+    return None
+
+
+def compile_blocks(model: nn.Module, device: torch.device, autocast_dtype: torch.dtype | None,
+                   backend: str | Callable | None = None) -> CompiledBlocks | None:
+    """Compile every block of `model` (its `blocks` list) in place with `backend` (default BACKEND,
+    read at the call: tests set "aot_eager", which traces the same graphs and runs eager kernels);
+    `autocast_dtype` is the forward's autocast (None: none). None, with one CompileFallback warning,
+    where `compiler_problem` or `dtype_problem` says it cannot compile."""
+    backend = BACKEND if backend is None else backend
+    problem = dtype_problem(model, autocast_dtype) or compiler_problem(device, backend)
+    if problem is not None:
+        warnings.warn(f"train.compile=true: {problem}; training continues eager", CompileFallback, stacklevel=2)
+        return None
+    return CompiledBlocks(model.blocks, backend)
