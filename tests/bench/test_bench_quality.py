@@ -75,3 +75,15 @@ def test_bench_quality_bad_variant(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert proc.stderr.startswith("dropless bench quality: error:") and "'nope'" in proc.stderr
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_summarize_last_rows(tmp_path: Path) -> None:
+    """MaxVio: worst layer of each of the last 5 routing rows, averaged; the rest from the summary."""
+    layers = lambda a, b: [{"maxvio_global": a}, {"maxvio_global": b}]  # noqa: E731
+    rows = [{"step": i, "layers": layers(10.0 * i, 0.5)} for i in range(5)]
+    rows += [{"step": 5 + i, "layers": layers(0.1 * i, 0.25)} for i in range(5)]
+    (tmp_path / "routing.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = {"final_val_loss": 1.5, "params_active": 2_000_000, "params_total": 5_000_000, "tokens_per_s": 9.0}
+    got = bench.summarize(tmp_path, summary)
+    assert got["maxvio_global"] == pytest.approx(statistics.mean([0.25, 0.25, 0.25, 0.3, 0.4]))
+    assert (got["val_loss"], got["active_M"], got["total_M"], got["tokens_per_s"]) == (1.5, 2.0, 5.0, 9.0)
