@@ -11,7 +11,7 @@ row. Variants are overrides of the preset, derived from its own shape (E experts
 model width d), so that they stay meaningful when the preset changes:
     dense          every layer a dense MLP of width k*f (+ shared width): the same active parameters
     moe            the preset as it is
-    moe_adamw      the preset with AdamW (the row to read against moe_muon)
+    moe_adamw      the preset with AdamW at ADAMW_LR
     moe_muon       the preset with expert-wise Muon at MUON_LR
     latent         LatentMoE, l = d/2
     identity       E/4 identity (zero-compute) experts beside the E real ones
@@ -44,7 +44,8 @@ from ..train.sinks import read_jsonl
 from .balance import METHODS as BALANCE_METHODS
 from .timing import format_table
 
-MUON_LR = "1e-2"  # Muon's best train.lr on tiny at 600 steps (docs/quality.md, the Muon sweep)
+# each optimizer's train.lr for its row when it is not the preset's own (docs/quality.md, the sweep)
+MUON_LR, ADAMW_LR = "1e-2", "3e-3"
 COLUMNS = ["variant", "val_loss", "vs_dense", "active_M", "total_M", "tokens_per_s", "maxvio_global", "wall_s"]
 
 
@@ -57,7 +58,7 @@ def variants(cfg: RunConfig) -> dict[str, list[str]]:
         "dense": [f"model.n_dense_layers={m.n_layers}", f"model.d_ff_dense={k * f + shared}",
                   "model.moe_layer_freq=1"],
         "moe": [],
-        "moe_adamw": ["train.optimizer=adamw"],
+        "moe_adamw": ["train.optimizer=adamw", f"train.lr={ADAMW_LR}"],
         "moe_muon": ["train.optimizer=muon", f"train.lr={MUON_LR}"],
         "latent": [f"model.moe.latent_dim={d // 2}"],
         "identity": [f"model.moe.n_identity_experts={max(1, E // 4)}"],
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dropless bench quality", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--config", default="tiny", help="the preset whose variants to train (default tiny)")
-    p.add_argument("--variants", default="dense,moe,moe_muon,latent,identity,parallel,mtp1,top1,fine,"
+    p.add_argument("--variants", default="dense,moe,moe_adamw,latent,identity,parallel,mtp1,top1,fine,"
                                          "bal_aux_global,bal_bias,bal_quantile")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--out", default=None, help="folder for the runs (default runs/bench-quality-<time>)")
