@@ -28,6 +28,7 @@ BENCHMARKS = {
     "layer": "dropless.bench.layer",
     "ep": "dropless.bench.ep",
     "balance": "dropless.bench.balance",
+    "quality": "dropless.bench.quality",
     "precision": "dropless.bench.precision",
     "monitor": "dropless.bench.monitor",
     "generate": "dropless.bench.generate",

@@ -1,0 +1,174 @@
+"""`dropless bench quality`: what each design knob does to quality, one short training per variant.
+
+    dropless bench quality [--steps N] [--variants a,b,...] [--config PRESET] [--set a.b=v ...]
+                           [--json FILE] [--out DIR]
+    dropless bench quality --table A.json [B.json ...]     # one table from saved rows (no training)
+
+Trains each variant of the preset (default `tiny`) for the same steps, tokens and seed, back to back,
+and tabulates the final validation loss (nats/byte), active and total parameters, tokens/s, the final
+global MaxVio (worst layer, mean of the last 5 logged steps) and the val loss relative to the `dense`
+row. Variants are overrides of the preset, derived from its own shape (E experts, top-k, width f,
+model width d), so that they stay meaningful when the preset changes:
+    dense          every layer a dense MLP of width k*f (+ shared width): the same active parameters
+    moe            the preset as it is
+    moe_adamw      the preset with AdamW at ADAMW_LR
+    moe_muon       the preset with expert-wise Muon at MUON_LR
+    latent         LatentMoE, l = d/2
+    identity       E/4 identity (zero-compute) experts beside the E real ones
+    parallel       parallel MoE block (the MoE reads the block's input)
+    mtp1           multi-token prediction, depth 1
+    top1           top-1 routing (the preset's experts)
+    top2           top-2 routing
+    fine           fine-grained: 2E experts of width f/2, top-2k (same active and total parameters)
+    bal_<method>   the preset with a balancing method of `dropless bench balance` (aux_global, bias,
+                   quantile, none, aux_micro): the balancing rows
+Overrides given with --set apply to every variant first; a variant's own overrides win over them.
+Whole trainings cannot be interleaved like kernel timings: tokens/s of different rows are only
+comparable on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ..config import RunConfig, load_config
+from ..train.run import preset_path
+from ..train.sinks import read_jsonl
+from .balance import METHODS as BALANCE_METHODS
+from .timing import format_table
+
+# each optimizer's train.lr for its row when it is not the preset's own (docs/quality.md, the sweep)
+MUON_LR, ADAMW_LR = "1e-2", "3e-3"
+COLUMNS = ["variant", "val_loss", "vs_dense", "active_M", "total_M", "tokens_per_s", "maxvio_global", "wall_s"]
+
+
+def variants(cfg: RunConfig) -> dict[str, list[str]]:
+    """Each variant's overrides, derived from the loaded preset `cfg` (E, k, f, d)."""
+    m, moe = cfg.model, cfg.model.moe
+    E, k, f, d = moe.num_experts, moe.top_k, moe.d_expert, m.d_model
+    shared = moe.n_shared_experts * (moe.d_shared or f)
+    out = {
+        "dense": [f"model.n_dense_layers={m.n_layers}", f"model.d_ff_dense={k * f + shared}",
+                  "model.moe_layer_freq=1"],
+        "moe": [],
+        "moe_adamw": ["train.optimizer=adamw", f"train.lr={ADAMW_LR}"],
+        "moe_muon": ["train.optimizer=muon", f"train.lr={MUON_LR}"],
+        "latent": [f"model.moe.latent_dim={d // 2}"],
+        "identity": [f"model.moe.n_identity_experts={max(1, E // 4)}"],
+        "parallel": ["model.block=parallel_moe"],
+        "mtp1": ["model.mtp_depth=1"],
+        "top1": ["model.moe.top_k=1"],
+        "top2": ["model.moe.top_k=2"],
+        "fine": [f"model.moe.num_experts={2 * E}", f"model.moe.d_expert={max(1, f // 2)}",
+                 f"model.moe.top_k={2 * k}"],
+    }
+    # the balancing rows: bench balance's methods, each on top of the preset's own balancing
+    # settings cleared to the same baseline that bench uses (its aux coefficient set explicitly)
+    out.update({f"bal_{name}": list(sets) for name, sets in BALANCE_METHODS.items()})
+    return out
+
+
+def schedule(cfg: RunConfig, steps: int) -> list[str]:
+    """The preset's schedule shortened to `steps`: warm-up scaled in proportion, one evaluation and
+    one checkpoint at the end, a routing row every 10 steps (or fewer)."""
+    t = cfg.train
+    warmup = max(1, round(t.warmup_steps * steps / t.steps)) if t.steps else 1
+    return [f"train.steps={steps}", f"train.warmup_steps={min(warmup, steps)}", f"train.eval_every={steps}",
+            f"train.ckpt_every={steps}", f"log.log_every={min(cfg.log.log_every, max(1, steps // 5))}",
+            "log.plots=false", "log.tensorboard=false"]
+
+
+def summarize(run_dir: Path, summary: dict, last: int = 5) -> dict:
+    routing = read_jsonl(run_dir / "routing.jsonl")[-last:] if (run_dir / "routing.jsonl").exists() else []
+    maxvio = (statistics.mean(max(layer["maxvio_global"] for layer in r["layers"]) for r in routing)
+              if routing else None)
+    return {"val_loss": summary["final_val_loss"], "active_M": summary["params_active"] / 1e6,
+            "total_M": summary["params_total"] / 1e6, "tokens_per_s": summary["tokens_per_s"],
+            "maxvio_global": maxvio}
+
+
+def table(rows: list[dict]) -> str:
+    dense = next((r["val_loss"] for r in rows if r["variant"] == "dense"), None)
+    shown = []
+    for r in rows:
+        s = {**r, "val_loss": f"{r['val_loss']:.4f}", "active_M": f"{r['active_M']:.2f}",
+             "total_M": f"{r['total_M']:.2f}", "tokens_per_s": f"{r['tokens_per_s']:,.0f}",
+             "wall_s": f"{r['wall_s']:.0f}"}
+        s["vs_dense"] = f"{100 * (r['val_loss'] / dense - 1):+.2f}%" if dense else None
+        if r.get("maxvio_global") is not None:
+            s["maxvio_global"] = f"{r['maxvio_global']:.2f}"
+        shown.append(s)
+    return format_table(shown, COLUMNS)
+
+
+def parse_variants(text: str, known: dict[str, list[str]]) -> list[str]:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    unknown = [v for v in names if v not in known]
+    if unknown or not names:
+        raise ValueError(f"--variants={text!r}: unknown variant {unknown[0]!r} (known: {', '.join(known)})"
+                         if unknown else f"--variants={text!r}: no variant named")
+    return names
+
+
+def write_json(path: Path, rows: list[dict]) -> None:
+    """Through a temporary file and a rename: a crashed bench leaves no half-written json."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as fh:
+        fh.write(json.dumps(rows, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dropless bench quality", description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--config", default="tiny", help="the preset whose variants to train (default tiny)")
+    p.add_argument("--variants", default="dense,moe,moe_adamw,latent,identity,parallel,mtp1,top1,fine,"
+                                         "bal_aux_global,bal_bias,bal_quantile")
+    p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument("--out", default=None, help="folder for the runs (default runs/bench-quality-<time>)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="a.b=value")
+    p.add_argument("--table", nargs="+", default=None, metavar="JSON",
+                   help="print one table from these saved --json files and exit (no training)")
+    args = p.parse_args(argv)
+    prog = "dropless bench quality"
+    try:
+        if args.table:
+            print(table([r for f in args.table for r in json.loads(Path(f).read_text())]))
+            return 0
+        if args.steps < 2:
+            raise ValueError(f"--steps={args.steps}: must be >= 2")
+        preset = preset_path(args.config)
+        base = load_config(preset, list(args.overrides))
+        known = variants(base)
+        names = parse_variants(args.variants, known)
+        common = schedule(base, args.steps) + list(args.overrides)
+        cfgs = {v: load_config(preset, common + known[v]) for v in names}  # every config checked first
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.out or f"runs/bench-quality-{time.strftime('%Y%m%d-%H%M%S')}")
+    from ..train.loop import Trainer
+
+    rows = []
+    for i, name in enumerate(names):
+        print(f"[{i + 1}/{len(names)}] {name}: {args.steps} steps ...", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        summary = Trainer(cfgs[name], out / name).fit()
+        row = {"variant": name, **summarize(out / name, summary), "wall_s": time.perf_counter() - start,
+               "steps": args.steps, "overrides": known[name]}
+        print(f"    val_loss {row['val_loss']:.4f}  {row['tokens_per_s']:,.0f} tokens/s", file=sys.stderr)
+        rows.append(row)
+        if args.json:  # after every row: a long bench that dies keeps what it measured
+            write_json(Path(args.json), rows)
+    print(table(rows))
+    print(f"(--steps {args.steps}, preset {args.config}; sequential whole trainings on one machine; "
+          "MaxVio: worst layer, mean of the last 5 logged steps)")
+    return 0

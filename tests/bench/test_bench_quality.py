@@ -1,0 +1,89 @@
+"""`dropless bench quality`: the rows it writes are the runs' own figures, and bad input writes nothing."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dropless.bench import quality as bench
+from dropless.config import load_config
+from dropless.model import MoEModel
+from dropless.train.run import preset_path
+
+SMALL = ["model.d_model=32", "model.n_heads=2", "model.max_seq_len=32", "model.d_ff_dense=64",
+         "model.moe.d_expert=32", "train.batch_size=2", "train.seq_len=32", "train.eval_batches=1",
+         "data.max_bytes=100000", "log.progress=false"]
+
+
+def test_bench_quality_rows(tmp_path: Path, capsys) -> None:
+    out, js = tmp_path / "runs", tmp_path / "q.json"
+    argv = ["--steps", "2", "--variants", "dense,fine", "--out", str(out), "--json", str(js)]
+    for item in SMALL:
+        argv += ["--set", item]
+    assert bench.main(argv) == 0
+    rows = json.loads(js.read_text())
+    assert [r["variant"] for r in rows] == ["dense", "fine"]
+    for r in rows:
+        run = out / r["variant"]
+        metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert r["val_loss"] == [m["val_loss"] for m in metrics if "val_loss" in m][-1]
+        cfg = load_config(run / "config.toml")
+        assert cfg.train.steps == 2
+        counts = MoEModel(cfg.model).num_params()
+        assert (r["active_M"], r["total_M"]) == (counts["active"] / 1e6, counts["total"] / 1e6)
+    dense, fine = (load_config(out / v / "config.toml").model for v in ("dense", "fine"))
+    # the dense row is all dense at the MoE's active width; fine-grained doubles E and k, halves f
+    assert dense.n_dense_layers == dense.n_layers and dense.d_ff_dense == 2 * 32
+    assert (fine.moe.num_experts, fine.moe.top_k, fine.moe.d_expert) == (16, 4, 16)
+    assert rows[0]["maxvio_global"] is None and rows[1]["maxvio_global"] > 0
+    # equal active parameters up to the routers (3 MoE layers of a [d, 2E] router)
+    assert round(1e6 * (rows[1]["active_M"] - rows[0]["active_M"])) == 3 * 32 * 16
+    routing = [json.loads(line) for line in (out / "fine" / "routing.jsonl").read_text().splitlines()]
+    worst = [max(max(layer["counts"]) / statistics.mean(layer["counts"]) - 1 for layer in row["layers"])
+             for row in routing[-5:]]
+    assert rows[1]["maxvio_global"] == pytest.approx(statistics.mean(worst), rel=1e-6)
+    printed = capsys.readouterr().out.splitlines()  # the trainer prints its placement line first
+    table = printed[next(i for i, line in enumerate(printed) if line.startswith("variant")):]
+    assert table[0].split()[:3] == ["variant", "val_loss", "vs_dense"]
+    assert [line.split()[0] for line in table[2:4]] == ["dense", "fine"]
+    assert table[2].split()[1] == f"{rows[0]['val_loss']:.4f}" and table[2].split()[2] == "+0.00%"
+    assert table[3].split()[2] == f"{100 * (rows[1]['val_loss'] / rows[0]['val_loss'] - 1):+.2f}%"
+    # --table: the same table again from the saved rows, no training
+    assert bench.main(["--table", str(js)]) == 0
+    assert capsys.readouterr().out.splitlines() == table[:4]
+
+
+def test_tiny_dense_row_is_the_dense_preset() -> None:
+    """The derived dense row has the dense preset's parameters (the issue's 'same active parameters')."""
+    tiny = load_config(preset_path("tiny"))
+    dense = load_config(preset_path("tiny"), bench.variants(tiny)["dense"])
+    preset = load_config(preset_path("dense"))
+    assert MoEModel(dense.model).num_params() == MoEModel(preset.model).num_params()
+    assert MoEModel(tiny.model).num_params()["active"] == pytest.approx(
+        MoEModel(preset.model).num_params()["active"], rel=0.01)
+
+
+def test_bench_quality_bad_variant(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "dropless.cli", "bench", "quality", "--steps", "2",
+                           "--variants", "moe,nope", "--out", str(tmp_path / "runs"), "--json",
+                           str(tmp_path / "q.json")], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("dropless bench quality: error:") and "'nope'" in proc.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_summarize_last_rows(tmp_path: Path) -> None:
+    """MaxVio: worst layer of each of the last 5 routing rows, averaged; the rest from the summary."""
+    layers = lambda a, b: [{"maxvio_global": a}, {"maxvio_global": b}]  # noqa: E731
+    rows = [{"step": i, "layers": layers(10.0 * i, 0.5)} for i in range(5)]
+    rows += [{"step": 5 + i, "layers": layers(0.1 * i, 0.25)} for i in range(5)]
+    (tmp_path / "routing.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = {"final_val_loss": 1.5, "params_active": 2_000_000, "params_total": 5_000_000, "tokens_per_s": 9.0}
+    got = bench.summarize(tmp_path, summary)
+    assert got["maxvio_global"] == pytest.approx(statistics.mean([0.25, 0.25, 0.25, 0.3, 0.4]))
+    assert (got["val_loss"], got["active_M"], got["total_M"], got["tokens_per_s"]) == (1.5, 2.0, 5.0, 9.0)
