@@ -99,10 +99,14 @@ def _swiglu_recompute_backward(h_RW: torch.Tensor, w_R: torch.Tensor | None, da_
     the backward's read each block from memory about once instead of once per op, and no [R, F]
     silu(gate) is allocated (a_RF stays whole: dW2 needs it). The same ops on the same strided
     halves in the same order per element, each row from its first column as the whole-tensor calls
-    ran it (`_row_aligned`; a block is at most one grain, so it runs on one thread): the same bits.
+    ran it (`_row_aligned`; a block is one grain per thread, split on rows): the same bits.
     Otherwise (a split inside a row) the whole-tensor functions themselves."""
     R, F_ = h_RW.shape[0], h_RW.shape[1] // 2
     rows = max(1, _GRAIN // max(F_, 1))
+    # One grain per thread: a block of `threads` grains splits into one grain-sized task per thread,
+    # each starting on a row where the block is `_row_aligned`, so every thread keeps one grain in
+    # its cache as before and none idles (one-grain blocks ran on one thread however many there were).
+    wide = rows * torch.get_num_threads()
     if R <= rows or not _row_aligned(R, F_) or torch.compiler.is_compiling():
         a_RF, s_RF = swiglu_forward(h_RW, w_R)
         dh_RW, dw_R = swiglu_backward(da_RF, h_RW, s_RF, w_R, want_grad_w, w_dtype)
@@ -114,9 +118,8 @@ def _swiglu_recompute_backward(h_RW: torch.Tensor, w_R: torch.Tensor | None, da_
     wg_R1 = None if w_R is None else w_R.to(da_RF.dtype).unsqueeze(-1)
     want_w = w_R is not None and want_grad_w
     dw_R = h_RW.new_empty(R, dtype=torch.result_type(da_RF, h_RW)) if want_w else None
-    s = h_RW.new_empty(min(rows, R), F_)  # one block of silu(gate), reused
-    for r in range(0, R, rows):
-        n = min(rows, R - r)
+    s = h_RW.new_empty(min(max(rows, wide), R), F_)  # one block of silu(gate), reused
+    for r, n in _blocks(R, F_, rows, wide):
         gate, up = h_RW[r:r + n].chunk(2, dim=-1)
         s_b, a, da = s[:n], a_RF[r:r + n], da_RF[r:r + n]
         torch.ops.aten.silu.out(gate, out=s_b)  # swiglu_forward, on this block
@@ -135,9 +138,25 @@ def _swiglu_recompute_backward(h_RW: torch.Tensor, w_R: torch.Tensor | None, da_
     return a_RF, dh_RW, None if dw_R is None else dw_R.to(w_dtype)
 
 
-def regather(source: RowSource) -> torch.Tensor:
-    """x_RD from its source: `permute.permute`'s forward (zero row appended when padded)."""
-    x_TD = source.x_TD
+def _blocks(R: int, F_: int, rows: int, wide: int) -> list[tuple[int, int]]:
+    """(first row, row count) of the blocks: `wide` rows while a block of that size is row-aligned
+    (`_row_aligned`), then one-grain blocks of `rows` rows (one thread each) for the rest."""
+    out, r = [], 0
+    while R - r > 0:
+        n = min(wide, R - r)
+        if n <= rows or not _row_aligned(n, F_):
+            n = min(rows, R - r)
+        out.append((r, n))
+        r += n
+    return out
+
+
+def regather(source: RowSource, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x_RD from its source: `permute.permute`'s forward (zero row appended when padded), in `dtype`
+    (default the source's). Cast, then gathered: the same values as gathering then casting (a cast
+    is element-wise and maps zero to zero), with T rows cast instead of R = T*K and the gather
+    moving rows of the narrower dtype (bf16 autocast: half the bytes)."""
+    x_TD = source.x_TD if dtype is None else source.x_TD.to(dtype)
     if source.padded:
         x_TD = torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])])
     return x_TD.index_select(0, source.src_R)
@@ -191,7 +210,7 @@ class _LeanExperts(torch.autograd.Function):
             del a_RF, h_, wr_, da_RF
         dw1 = None
         if need_w1:
-            x_RD = x_saved if src_R is None else regather(RowSource(x_saved, src_R, padded)).to(x_dtype)
+            x_RD = x_saved if src_R is None else regather(RowSource(x_saved, src_R, padded), x_dtype)
             dw1 = grouped_gemm.grouped_wgrad(x_RD, dh_RW, offsets_E, backend)
             del x_RD
         dx_RD = grouped_gemm.grouped_dgrad(dh_RW, w1, offsets_E, backend) if need_x else None
