@@ -99,14 +99,10 @@ def _swiglu_recompute_backward(h_RW: torch.Tensor, w_R: torch.Tensor | None, da_
     the backward's read each block from memory about once instead of once per op, and no [R, F]
     silu(gate) is allocated (a_RF stays whole: dW2 needs it). The same ops on the same strided
     halves in the same order per element, each row from its first column as the whole-tensor calls
-    ran it (`_row_aligned`; a block is one grain per thread, split on rows): the same bits.
+    ran it (`_row_aligned`; a block is at most one grain, so it runs on one thread): the same bits.
     Otherwise (a split inside a row) the whole-tensor functions themselves."""
     R, F_ = h_RW.shape[0], h_RW.shape[1] // 2
     rows = max(1, _GRAIN // max(F_, 1))
-    # One grain per thread: a block of `threads` grains splits into one grain-sized task per thread,
-    # each starting on a row where the block is `_row_aligned`, so every thread keeps one grain in
-    # its cache as before and none idles (one-grain blocks ran on one thread however many there were).
-    wide = rows * torch.get_num_threads()
     if R <= rows or not _row_aligned(R, F_) or torch.compiler.is_compiling():
         a_RF, s_RF = swiglu_forward(h_RW, w_R)
         dh_RW, dw_R = swiglu_backward(da_RF, h_RW, s_RF, w_R, want_grad_w, w_dtype)
@@ -118,8 +114,9 @@ def _swiglu_recompute_backward(h_RW: torch.Tensor, w_R: torch.Tensor | None, da_
     wg_R1 = None if w_R is None else w_R.to(da_RF.dtype).unsqueeze(-1)
     want_w = w_R is not None and want_grad_w
     dw_R = h_RW.new_empty(R, dtype=torch.result_type(da_RF, h_RW)) if want_w else None
-    s = h_RW.new_empty(min(max(rows, wide), R), F_)  # one block of silu(gate), reused
-    for r, n in _blocks(R, F_, rows, wide):
+    s = h_RW.new_empty(min(rows, R), F_)  # one block of silu(gate), reused
+    for r in range(0, R, rows):
+        n = min(rows, R - r)
         gate, up = h_RW[r:r + n].chunk(2, dim=-1)
         s_b, a, da = s[:n], a_RF[r:r + n], da_RF[r:r + n]
         torch.ops.aten.silu.out(gate, out=s_b)  # swiglu_forward, on this block
@@ -136,19 +133,6 @@ def _swiglu_recompute_backward(h_RW: torch.Tensor, w_R: torch.Tensor | None, da_
             g_up.mul_(wg)
         torch.ops.aten.silu_backward.grad_input(g_up, gate, grad_input=dh_RW[r:r + n, :F_])
     return a_RF, dh_RW, None if dw_R is None else dw_R.to(w_dtype)
-
-
-def _blocks(R: int, F_: int, rows: int, wide: int) -> list[tuple[int, int]]:
-    """(first row, row count) of the blocks: `wide` rows while a block of that size is row-aligned
-    (`_row_aligned`), then one-grain blocks of `rows` rows (one thread each) for the rest."""
-    out, r = [], 0
-    while R - r > 0:
-        n = min(wide, R - r)
-        if n <= rows or not _row_aligned(n, F_):
-            n = min(rows, R - r)
-        out.append((r, n))
-        r += n
-    return out
 
 
 def regather(source: RowSource, dtype: torch.dtype | None = None) -> torch.Tensor:
