@@ -26,6 +26,8 @@ EPDispatcher in dropless.distributed.ep):
 - Row alignment: the experts declare what their GEMMs need (`GroupedExperts.row_align`: a
   low-precision recipe's token block, else 1); `dispatch_align` combines it with `moe.align`, and
   both factories (`build_dispatcher` here, `distributed.ep.build_ep_dispatcher`) take it from there.
+  The local dispatcher also rounds groups up to `grouped_gemm.row_bucket` rows for bf16 GEMMs on the
+  CPU (oneDNN caches one kernel per shape; ragged groups would make a new one nearly every call).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Protocol
 import torch
 
 from ..config import MoEConfig
+from ..ops import grouped_gemm
 from ..ops import permute as P
 from ..ops.lean_experts import RowSource
 from .experts import ExpertBatch, GroupedExperts
@@ -83,16 +86,18 @@ class LocalDispatcher:
         self.capacity_factor = capacity_factor
         self.drop_policy = drop_policy
 
-    def plan(self, decision: RoutingDecision) -> P.RoutingPlan:
+    def plan(self, decision: RoutingDecision, bucket: int = 1) -> P.RoutingPlan:
+        """`bucket`: a further row alignment of the dropless plan (`grouped_gemm.row_bucket`)."""
         if self.capacity_factor is None:
-            return P.make_plan(decision.ids_TK, self.num_experts, self.align, decision.valid_TK)
+            align = math.lcm(self.align, bucket)
+            return P.make_plan(decision.ids_TK, self.num_experts, align, decision.valid_TK)
         if decision.valid_TK is not None:
             raise ValueError("the capacity baseline takes token-choice routing only (valid_TK given)")
         return P.make_capacity_plan(decision.ids_TK, decision.weights_TK, self.num_experts,
                                     self.capacity_factor, self.drop_policy, self.align)
 
     def dispatch(self, x_TD: torch.Tensor, decision: RoutingDecision) -> tuple[ExpertBatch, LocalMeta]:
-        plan = self.plan(decision)
+        plan = self.plan(decision, grouped_gemm.row_bucket(x_TD, decision.ids_TK.numel() / self.num_experts))
         weights_R = P.permute_weights(decision.weights_TK, plan)
         # the source lets the lean experts re-gather x_RD in the backward instead of keeping it; its
         # row index is the one combine's backward keeps (one storage for both)

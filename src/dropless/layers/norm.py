@@ -1,9 +1,16 @@
-"""RMSNorm, shared by the model's blocks and the attention variants (model.py, layers/mla.py)."""
+"""RMSNorm, shared by the model's blocks and the attention variants (model.py, layers/mla.py).
+
+The forward is `ops.rms_norm.rms_norm_reference` (normalise in fp32: the mean of squares of bf16
+activations loses the small ones); the module runs it as one autograd Function with a closed-form
+backward (`ops.rms_norm.rms_norm`: the same output bits, about half the backward's passes).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from ..ops.rms_norm import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -13,7 +20,4 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32: the mean of squares of bf16 activations loses the small ones.
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)

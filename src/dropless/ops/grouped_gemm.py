@@ -38,6 +38,32 @@ def has_grouped_mm() -> bool:
     return _grouped_mm is not None
 
 
+# oneDNN, which runs torch's bf16/fp16 matmuls on the CPU, creates a kernel for each GEMM shape it
+# meets and caches it (ONEDNN_PRIMITIVE_CACHE_CAPACITY, 1024 by default). torch's CPU grouped_mm is one
+# matmul per expert group, and dropless groups are as ragged as the routing: nearly every step meets
+# new row counts, and each new shape pays the kernel's creation (measured ~10 ms, 1 thread, beside
+# ~2 ms for a 1000 x 256 x 512 bf16 product: a loop of such products with random row counts ran at 14-20
+# GFLOP/s against 120-150 with one fixed count). Rounding each group up to a multiple of this many
+# rows (zero padding rows, which the plan already knows how to make) leaves few distinct shapes, all
+# cached after the first steps: the default preset's MoE layer, forward and backward under bf16
+# autocast, 1178 -> 709 ms (docs/benchmarks.md, "The training step, profiled"). MKL's fp32 GEMM has
+# no such cost, so fp32 plans stay unpadded (and bit-identical to before). Only where groups average at
+# least 8 buckets (256 rows): the padding, about half a bucket per group, then costs at most ~6% more
+# rows; small calls (tests, decoding-sized batches) keep their plans.
+CPU_LOWP_ROW_BUCKET = 32
+
+
+def row_bucket(x: torch.Tensor, rows_per_group: float) -> int:
+    """The row alignment the expert GEMMs want for rows like `x` in the current autocast state, with
+    groups of `rows_per_group` rows on average: 32 for bf16/fp16 GEMMs on the CPU with groups of at
+    least 8 x 32 rows (note above), 1 elsewhere."""
+    dev = x.device.type
+    if dev != "cpu" or rows_per_group < 8 * CPU_LOWP_ROW_BUCKET:
+        return 1
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    return CPU_LOWP_ROW_BUCKET if dtype in (torch.bfloat16, torch.float16) else 1
+
+
 def grouped_mm_reference(x_RD: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     ends = offsets_E.tolist()
     starts = [0] + ends[:-1]

@@ -136,9 +136,12 @@ def _swiglu_recompute_backward(h_RW: torch.Tensor, w_R: torch.Tensor | None, da_
     return a_RF, dh_RW, None if dw_R is None else dw_R.to(w_dtype)
 
 
-def regather(source: RowSource) -> torch.Tensor:
-    """x_RD from its source: `permute.permute`'s forward (zero row appended when padded)."""
-    x_TD = source.x_TD
+def regather(source: RowSource, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x_RD from its source: `permute.permute`'s forward (zero row appended when padded), in `dtype`
+    (default the source's). Cast, then gathered: the same values as gathering then casting (a cast
+    is element-wise and maps zero to zero), with T rows cast instead of R = T*K and the gather
+    moving rows of the narrower dtype (bf16 autocast: half the bytes)."""
+    x_TD = source.x_TD if dtype is None else source.x_TD.to(dtype)
     if source.padded:
         x_TD = torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])])
     return x_TD.index_select(0, source.src_R)
@@ -192,7 +195,7 @@ class _LeanExperts(torch.autograd.Function):
             del a_RF, h_, wr_, da_RF
         dw1 = None
         if need_w1:
-            x_RD = x_saved if src_R is None else regather(RowSource(x_saved, src_R, padded)).to(x_dtype)
+            x_RD = x_saved if src_R is None else regather(RowSource(x_saved, src_R, padded), x_dtype)
             dw1 = grouped_gemm.grouped_wgrad(x_RD, dh_RW, offsets_E, backend)
             del x_RD
         dx_RD = grouped_gemm.grouped_dgrad(dh_RW, w1, offsets_E, backend) if need_x else None

@@ -23,7 +23,7 @@ The block's input counts when the block keeps it (its first norm saves it, a che
 not otherwise: under `layer` or `norm` offload nothing on the device keeps it once the block has run.
 
 The embedding, final norm, LM head and loss form the `head` part, measured the same way (the last
-block's output is its counted input; the logits and the fp32 log-softmax of the loss are there). Token
+block's output counts where an op saves it; the logits and the fp32 log-softmax of the loss are there). Token
 ids and targets are batch inputs, made before the forward: not counted (16 bytes per token).
 
 Activation offload (`model.offload`, layers/offload.py) runs as in training: the block is built
@@ -265,8 +265,9 @@ def block_bytes(cfg: ModelConfig, batch: int, seq_len: int, bf16: bool, moe: boo
 
 
 def head_bytes(cfg: ModelConfig, batch: int, seq_len: int, bf16: bool) -> int:
-    """The final norm, LM head and loss of a [batch, seq_len] micro-batch: their saved tensors, their
-    input (the last block's output) and the logits the model returns."""
+    """The final norm, LM head and loss of a [batch, seq_len] micro-batch: their saved tensors (the
+    last block's output among them only if an op saves it: the fused RMSNorm keeps its normalised
+    copy instead, ops/rms_norm.py) and the logits the model returns."""
     with fake_world():
         norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         head = torch.nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -280,7 +281,7 @@ def head_bytes(cfg: ModelConfig, batch: int, seq_len: int, bf16: bool) -> int:
 
         with _autocast(bf16):
             params = [*norm.parameters(), *head.parameters()]
-            return saved_bytes(run, x, exclude=params).bytes
+            return saved_bytes(run, x, exclude=params, include_inputs=False).bytes
 
 
 def mtp_bytes(cfg: ModelConfig, batch: int, seq_len: int, bf16: bool) -> int:
