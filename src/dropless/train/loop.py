@@ -120,7 +120,7 @@ class Trainer:
             reduce = par.dp_all_reduce(self.meshes.dp_group)
         self.comm_watch = build_watch(self.meshes, self.device, p)  # None in one process
         self.replicas = HotReplicas.build(self.model, self.meshes, p, self.device)  # before the guards
-        self.optimizer = build_optimizer(self.model, t)
+        self.optimizer = build_optimizer(self.model, t, self.placement.autocast_dtype)
         self.overflow = (build_guard(self.model, self.optimizer, reduce, p, cfg.model.moe.top_k, self.device)
                          if self.distributed else None)
         self.nonfinite = NonFiniteGuard(t.max_nonfinite_steps, reduce, device=self.model.embed.weight.device)
