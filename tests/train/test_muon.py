@@ -15,11 +15,11 @@ from dropless.model import MoEModel
 from dropless.train.loop import Trainer
 from dropless.train.muon import (NS_STEPS, Muon, Split, muon_param_groups, newton_schulz, orthogonalise,
                                  orthogonalise_reference, scale_of)
-from dropless.train.optim import build_optimizer, step_unless
+from dropless.train.optim import build_optimizer, muon_ns_dtype, step_unless
 from tiny_run import crash_at, rows, tiny
 
 TINY_CE_FALL_ABOVE = 1.4  # as tests/train/test_training.py: the tiny run learns well past the unigram
-from tolerances import NS_SINGULAR_BAND, assert_close
+from tolerances import NS_BF16_VS_FP32, NS_SINGULAR_BAND, assert_close
 
 E, D, F = 4, 16, 8
 GATE_UP = Split(batched=True, axis=-1, sizes=(F, F), out_axis=-1)  # [E, D, 2F], as GroupedExperts
@@ -37,16 +37,18 @@ def _svals_in_band(o: torch.Tensor, scale: float, what: str) -> None:
     assert float(s.min()) >= lo and float(s.max()) <= hi, f"{what}: singular values {s.min():.3f}..{s.max():.3f}"
 
 
-def test_each_expert_and_each_half_is_orthogonalised_on_its_own_scale() -> None:
+@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_each_expert_and_each_half_is_orthogonalised_on_its_own_scale(ns_dtype: torch.dtype) -> None:
     # experts whose gradients differ by 1e7 in size (a busy expert, a nearly idle one): each slice of the
     # update, and each of its gate and up halves, has singular values near 1, times the shape rule
     g_up = _grad((E, D, 2 * F), 0) * torch.tensor([1e3, 1.0, 1e-2, 1e-4]).view(E, 1, 1)
-    o = orthogonalise(g_up, GATE_UP, rms_match=None)
+    o = orthogonalise(g_up, GATE_UP, rms_match=None, ns_dtype=ns_dtype)
+    assert o.dtype == torch.float32
     for e in range(E):
         for half, cols in (("gate", slice(0, F)), ("up", slice(F, 2 * F))):
             _svals_in_band(o[e, :, cols], scale_of(D, F, -1, None), f"expert {e} {half}")
     g_down = _grad((E, F, D), 1) * torch.tensor([1.0, 1e-5, 1e2, 1.0]).view(E, 1, 1)
-    o = orthogonalise(g_down, DOWN, rms_match=0.2)
+    o = orthogonalise(g_down, DOWN, rms_match=0.2, ns_dtype=ns_dtype)
     for e in range(E):
         _svals_in_band(o[e], scale_of(F, D, -1, 0.2), f"down expert {e}")
     assert scale_of(F, D, -1, 0.2) == 0.2 * math.sqrt(D)  # the RMS-matching rule: 0.2 sqrt(max(r, c))
@@ -82,6 +84,27 @@ def test_experts_and_halves_are_independent() -> None:
 def test_batched_path_matches_the_loop_reference(split: Split, shape: tuple[int, ...]) -> None:
     g = _grad(shape, 6)
     assert_close(orthogonalise(g, split), orthogonalise_reference(g, split))
+
+
+def test_bf16_iteration_is_the_fp32_one_rounded() -> None:
+    # the bf16 iteration (train.muon_ns_dtype) computes the same polar factor as the fp32 one, up to
+    # bf16's rounding; a wrong cast (an un-normalised bf16 input, a dropped step) lands far outside it
+    g = _grad((E, 2 * D, D), 8)
+    diff = (newton_schulz(g, dtype=torch.bfloat16) - newton_schulz(g)).abs().max()
+    assert float(diff) <= NS_BF16_VS_FP32, f"bf16 vs fp32 iteration: max diff {float(diff):.4f}"
+    assert not torch.equal(newton_schulz(g, dtype=torch.bfloat16), newton_schulz(g))  # it did run in bf16
+
+
+def test_muon_ns_dtype_config_and_auto() -> None:
+    assert muon_ns_dtype("auto", torch.bfloat16) == torch.bfloat16
+    assert muon_ns_dtype("auto", None) == torch.float32  # an fp32 run (no autocast): no fast bf16 GEMM
+    assert muon_ns_dtype("fp32", torch.bfloat16) == torch.float32
+    assert muon_ns_dtype("bf16", None) == torch.bfloat16
+    with pytest.raises(ValueError, match="train.muon_ns_dtype"):
+        load_config(None, ["train.muon_ns_dtype=fp16"])
+    cfg = load_config(None, ["train.optimizer=muon", "train.muon_ns_dtype=auto"])
+    assert build_optimizer(_model(), cfg.train, torch.bfloat16).ns_dtype == torch.bfloat16
+    assert build_optimizer(_model(), cfg.train, None).ns_dtype == torch.float32
 
 
 def test_newton_schulz_is_the_quintic_iteration() -> None:

@@ -124,7 +124,7 @@ class Trainer:
         # train.compile: the blocks compiled in place (names, state and checkpoints unchanged)
         self.compiled = (compiling.compile_blocks(self.model, self.device, self.placement.autocast_dtype)
                          if t.compile else None)
-        self.optimizer = build_optimizer(self.model, t)
+        self.optimizer = build_optimizer(self.model, t, self.placement.autocast_dtype)
         self.overflow = (build_guard(self.model, self.optimizer, reduce, p, cfg.model.moe.top_k, self.device)
                          if self.distributed else None)
         self.nonfinite = NonFiniteGuard(t.max_nonfinite_steps, reduce, device=self.model.embed.weight.device)

@@ -13,8 +13,11 @@ SVD:
 run on the wide orientation (X transposed when it has more rows than columns, so A is the small
 Gram matrix). These quintic coefficients (Jordan's) are tuned for speed, not convergence: they push
 every singular value that is not tiny into a band around 1 (about 0.7 to 1.2) rather than onto 1,
-which trains as well as the exact polar factor. The iteration runs in fp32 here (the CPU has no
-fast bf16 matmul without AMX; on a GPU bf16 would do, as in Jordan's code).
+which trains as well as the exact polar factor. The iteration runs in fp32 by default; `ns_dtype=bf16`
+(`train.muon_ns_dtype`, "auto" = the forward's autocast dtype) runs it in bf16 as Jordan's code does:
+the Frobenius normalisation stays fp32, the 15 GEMMs per block run in bf16 (about 3-4x faster on a
+CPU with AMX or on a GPU; without AMX a bf16 matmul runs at about half the fp32 speed, so "auto"
+keeps fp32 there), and the result stays in the fp32 band (tests/tolerances.py).
 
 What is a matrix. Each 2-D weight in the sense of the layer that uses it, not of its storage:
 * routed experts (`GroupedExperts`, [E, D, 2F] and [E, F, D]): each expert's slice separately, a
@@ -122,18 +125,21 @@ def split_params(model: nn.Module) -> dict[nn.Parameter, Split]:
     return out
 
 
-def newton_schulz(g_BRC: torch.Tensor, steps: int = NS_STEPS) -> torch.Tensor:
+def newton_schulz(g_BRC: torch.Tensor, steps: int = NS_STEPS,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The quintic Newton-Schulz iteration on a batch of matrices [B, R, C], each on its own
-    (its own Frobenius normalisation, its own Gram matrices); fp32."""
+    (its own Frobenius normalisation, its own Gram matrices). The normalisation is fp32; the iteration
+    runs in `dtype` (fp32 or bf16); the result is fp32."""
     a, b, c = NS_COEFFS
     x = g_BRC.float()
     tall = x.shape[-2] > x.shape[-1]
     if tall:
         x = x.mT
-    x = x / (torch.linalg.matrix_norm(x, keepdim=True) + NS_EPS)
+    x = (x / (torch.linalg.matrix_norm(x, keepdim=True) + NS_EPS)).to(dtype)
     for _ in range(steps):
         a_BRR = x @ x.mT
         x = a * x + (b * a_BRR + c * (a_BRR @ a_BRR)) @ x
+    x = x.float()
     return x.mT if tall else x
 
 
@@ -145,25 +151,27 @@ def scale_of(rows: int, cols: int, out_axis: int, rms_match: float | None) -> fl
     return math.sqrt(max(1.0, fan_out / fan_in))
 
 
-def orthogonalise(u: torch.Tensor, split: Split, rms_match: float | None = RMS_MATCH) -> torch.Tensor:
+def orthogonalise(u: torch.Tensor, split: Split, rms_match: float | None = RMS_MATCH,
+                  ns_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The scaled orthogonalised update of one whole (unsharded, or whole-expert) weight: each
     expert and each block apart, in one batched iteration per block."""
     u_BRC = u if split.batched else u.unsqueeze(0)
     blocks = u_BRC.split(list(split.sizes), dim=split.axis) if split.sizes else (u_BRC,)
-    outs = [newton_schulz(blk) * scale_of(blk.shape[-2], blk.shape[-1], split.out_axis, rms_match)
+    outs = [newton_schulz(blk, dtype=ns_dtype) * scale_of(blk.shape[-2], blk.shape[-1], split.out_axis, rms_match)
             for blk in blocks]
     o_BRC = torch.cat(outs, dim=split.axis) if len(outs) > 1 else outs[0]
     return o_BRC if split.batched else o_BRC.squeeze(0)
 
 
-def orthogonalise_reference(u: torch.Tensor, split: Split, rms_match: float | None = RMS_MATCH) -> torch.Tensor:
+def orthogonalise_reference(u: torch.Tensor, split: Split, rms_match: float | None = RMS_MATCH,
+                            ns_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Plain specification of `orthogonalise`: a loop over experts and blocks, one 2-D iteration each."""
     mats = list(u) if split.batched else [u]
     done = []
     for m in mats:
         ax = split.axis % 2  # the same matrix axis, counted on a 2-D slice
         blocks = m.split(list(split.sizes), dim=ax) if split.sizes else (m,)
-        done.append(torch.cat([newton_schulz(b.unsqueeze(0))[0]
+        done.append(torch.cat([newton_schulz(b.unsqueeze(0), dtype=ns_dtype)[0]
                                * scale_of(b.shape[0], b.shape[1], split.out_axis, rms_match)
                                for b in blocks], dim=ax))
     return torch.stack(done) if split.batched else done[0]
@@ -173,15 +181,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _orthogonalise_sharded(u: torch.Tensor, p: torch.Tensor, split: Split, rms_match: float | None) -> torch.Tensor:
+def _orthogonalise_sharded(u: torch.Tensor, p: torch.Tensor, split: Split, rms_match: float | None,
+                           ns_dtype: torch.dtype) -> torch.Tensor:
     """The local part of the update of `p` from the local part of its Nesterov update `u` (module
     note: experts locally, row-sharded matrices gathered)."""
     if not isinstance(p, DTensor):
-        return orthogonalise(u, split, rms_match)
+        return orthogonalise(u, split, rms_match, ns_dtype)
     if split.batched and all(pl.is_replicate() or (pl.is_shard() and pl.dim == 0) for pl in p.placements):
-        return orthogonalise(u, split, rms_match)  # whole experts on this rank
+        return orthogonalise(u, split, rms_match, ns_dtype)  # whole experts on this rank
     full = DTensor.from_local(u, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
-    o = orthogonalise(full, split, rms_match)
+    o = orthogonalise(full, split, rms_match, ns_dtype)
     return distribute_tensor(o, p.device_mesh, p.placements, src_data_rank=None).to_local()
 
 
@@ -191,18 +200,21 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, params: list[dict], splits: dict[nn.Parameter, Split], lr: float = 1e-3,
                  momentum: float = MOMENTUM, rms_match: float | None = RMS_MATCH,
-                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
+                 ns_dtype: torch.dtype = torch.float32) -> None:
         if not lr >= 0:
             raise ValueError(f"lr={lr!r}: must be >= 0")
         if not 0 <= momentum < 1:
             raise ValueError(f"momentum={momentum!r}: must be in [0, 1)")
+        if ns_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"ns_dtype={ns_dtype!r}: must be torch.float32 or torch.bfloat16")
         if rms_match is not None and not rms_match > 0:
             raise ValueError(f"rms_match={rms_match!r}: must be > 0 or None")
         if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"betas={betas!r}: each must be in [0, 1)")
         defaults = dict(lr=lr, momentum=momentum, betas=betas, eps=eps, weight_decay=weight_decay, muon=False)
         super().__init__(params, defaults)
-        self.splits, self.rms_match = splits, rms_match
+        self.splits, self.rms_match, self.ns_dtype = splits, rms_match, ns_dtype
         for group in self.param_groups:
             for p in group["params"]:
                 if group["muon"] and p not in splits:
@@ -242,7 +254,7 @@ class Muon(torch.optim.Optimizer):
         g, w = _local(p.grad).float(), _local(p)
         m = buf.lerp(g, 1 - mu)
         u = g.lerp(m, mu)  # Nesterov
-        o = _orthogonalise_sharded(u, p, self.splits[p], self.rms_match)
+        o = _orthogonalise_sharded(u, p, self.splits[p], self.rms_match, self.ns_dtype)
         new_w = w * (1 - lr * wd)
         new_w -= lr * o
         if skip is not None:

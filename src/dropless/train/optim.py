@@ -46,11 +46,20 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+def muon_ns_dtype(name: str, autocast_dtype: torch.dtype | None) -> torch.dtype:
+    """train.muon_ns_dtype resolved: "auto" follows the forward's autocast dtype (None = fp32)."""
+    if name == "auto":
+        return torch.bfloat16 if autocast_dtype == torch.bfloat16 else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig,
+                    autocast_dtype: torch.dtype | None = None) -> torch.optim.Optimizer:
+    """The optimizer `cfg.optimizer` names; `autocast_dtype` is the forward's (for muon_ns_dtype=auto)."""
     if cfg.optimizer == "muon":
         groups, splits = muon_param_groups(model, cfg.weight_decay)
         return Muon(groups, splits, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                    weight_decay=cfg.weight_decay)
+                    weight_decay=cfg.weight_decay, ns_dtype=muon_ns_dtype(cfg.muon_ns_dtype, autocast_dtype))
     groups = param_groups(model, cfg.weight_decay)
     if cfg.optimizer == "adamw":
         fused = all(p.device.type in FUSED_DEVICES for g in groups for p in g["params"])
