@@ -36,6 +36,12 @@ METHODS: dict[str, list[str]] = {
              "model.moe.balance.bias_update_rate=0.001"],
     "quantile": ["model.moe.balance.aux_loss_coeff=0", "model.moe.router.use_expert_bias=true",
                  "model.moe.balance.quantile_balance=true"],
+    "bias_prop": ["model.moe.balance.aux_loss_coeff=0", "model.moe.router.use_expert_bias=true",
+                  "model.moe.balance.bias_update_rule=proportional", "model.moe.balance.bias_update_rate=0.02"],
+    "bias_warm": ["model.moe.balance.aux_loss_coeff=0", "model.moe.router.use_expert_bias=true",
+                  "model.moe.balance.bias_update_rate=0.001", "model.moe.balance.bias_warm_start_steps=50"],
+    "quantile_ema": ["model.moe.balance.aux_loss_coeff=0", "model.moe.router.use_expert_bias=true",
+                     "model.moe.balance.quantile_balance=true", "model.moe.balance.quantile_momentum=0.9"],
 }
 
 
@@ -49,6 +55,16 @@ def scaled_schedule(steps: int) -> list[str]:
             "log.progress=false", "log.plots=false", "log.tensorboard=false"]
 
 
+def first_balanced_step(routing: list[dict], level: float = 0.5, window: int = 10) -> int | None:
+    """The first step at which the worst layer's global MaxVio, averaged over the last `window` logged
+    steps, is at most `level` (a window, so that one lucky step does not count); None if never."""
+    vio = [max(layer["maxvio_global"] for layer in r["layers"]) for r in routing]
+    for i in range(window - 1, len(vio)):
+        if sum(vio[i - window + 1:i + 1]) / window <= level:
+            return routing[i]["step"]
+    return None
+
+
 def summarize(run_dir: Path, last: int = 20) -> dict:
     rows = read_jsonl(run_dir / "metrics.jsonl")
     train = [r for r in rows if "loss" in r]
@@ -56,6 +72,7 @@ def summarize(run_dir: Path, last: int = 20) -> dict:
     routing = read_jsonl(run_dir / "routing.jsonl")[-last:]
     worst = lambda key, r: max(layer[key] for layer in r["layers"])  # noqa: E731
     return {
+        "step_vio_0.5": first_balanced_step(read_jsonl(run_dir / "routing.jsonl")),
         "val_loss": val[-1] if val else None,
         "maxvio_global": statistics.mean(worst("maxvio_global", r) for r in routing) if routing else None,
         "maxvio_local": statistics.mean(worst("maxvio_local", r) for r in routing) if routing else None,
@@ -90,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"    val_loss {row['val_loss']:.4f}  maxvio_global {row['maxvio_global']:.3f}  "
               f"maxvio_local {row['maxvio_local']:.3f}  step {row['step_ms']:.0f} ms", file=sys.stderr)
         rows.append(row)
-    print(format_table(rows, ["method", "val_loss", "maxvio_global", "maxvio_local", "step_ms"]))
-    print("(sequential whole trainings on one machine; MaxVio: worst layer, mean of the last 20 steps)")
+    print(format_table(rows, ["method", "val_loss", "maxvio_global", "maxvio_local", "step_vio_0.5", "step_ms"]))
+    print("(sequential whole trainings on one machine; MaxVio: worst layer, mean of the last 20 steps; "
+          "step_vio_0.5: first step whose 10-step mean global MaxVio is <= 0.5)")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
     return 0
