@@ -196,3 +196,19 @@ def test_layer_sequence_scope_and_global_probabilities() -> None:
     torch.testing.assert_close(out.seq_aux_loss, balance.sequence_aux_loss(d.scores_TE, d.ids_TK, 7))
     torch.testing.assert_close(out.probs_mean_E, d.scores_TE.mean(0))
     assert out.probs_mean_E.requires_grad  # the global aux loss backpropagates through it
+
+
+def test_first_balanced_step_takes_a_window_of_the_worst_layer() -> None:
+    from dropless.bench.balance import first_balanced_step
+
+    def rows(*vio_per_layer: list[float]) -> list[dict]:
+        return [{"step": 10 + i, "layers": [{"maxvio_global": v[i]} for v in vio_per_layer]}
+                for i in range(len(vio_per_layer[0]))]
+
+    calm = [0.1] * 12
+    # one lucky step does not count; a window of 3 reaching <= 0.5 does, at its last step
+    assert first_balanced_step(rows([2.0, 0.0, 2.0, 0.6, 0.5, 0.4, 0.5]), window=3) == 15
+    # the worst layer decides: layer 0 is calm, layer 1 is not
+    assert first_balanced_step(rows(calm, [1.0] * 12), window=3) is None
+    assert first_balanced_step(rows(calm, calm), window=10) == 19
+    assert first_balanced_step(rows([0.1] * 5), window=10) is None  # fewer steps than the window
