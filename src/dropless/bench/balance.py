@@ -12,8 +12,10 @@ Trains the `tiny` preset once per method, same seed, data and steps, back to bac
     bias_prop     loss-free bias, proportional rule (step u * relative violation), u = 0.02
     bias_warm     loss-free bias, sign rule u = 1e-3 after a 50-step quantile warm start
     bias_warm_prop  the proportional rule (u = 0.02) after a 50-step quantile warm start
+    bias_aux      loss-free bias (sign, u = 1e-3) plus the global aux loss (0.01): a blend
     quantile_aux  quantile balancing plus the global aux loss (0.01): a blend
     quantile_ema  quantile balancing damped: b <- 0.9 b + 0.1 q each step
+    quantile_ema_aux  the damped quantile rule plus the global aux loss (0.01)
 Each step is 4 micro-batches of 4 sequences (the preset's 16 sequences per step), so micro-batch and
 global batch differ. Reports final validation loss, global and local MaxVio (worst layer, averaged over the last 20 logged
 steps; log_every is forced to 1 so that is the last 20 steps), the first step at which the global
@@ -50,8 +52,13 @@ METHODS: dict[str, list[str]] = {
     "bias_warm_prop": ["model.moe.balance.aux_loss_coeff=0", "model.moe.router.use_expert_bias=true",
                        "model.moe.balance.bias_update_rule=proportional", "model.moe.balance.bias_update_rate=0.02",
                        "model.moe.balance.bias_warm_start_steps=50"],
+    "bias_aux": ["model.moe.balance.aux_loss_coeff=0", "model.moe.router.use_expert_bias=true",
+                 "model.moe.balance.bias_update_rate=0.001", "model.moe.balance.global_aux_loss_coeff=0.01"],
     "quantile_aux": ["model.moe.balance.aux_loss_coeff=0", "model.moe.router.use_expert_bias=true",
                      "model.moe.balance.quantile_balance=true", "model.moe.balance.global_aux_loss_coeff=0.01"],
+    "quantile_ema_aux": ["model.moe.balance.aux_loss_coeff=0", "model.moe.router.use_expert_bias=true",
+                         "model.moe.balance.quantile_balance=true", "model.moe.balance.quantile_momentum=0.9",
+                         "model.moe.balance.global_aux_loss_coeff=0.01"],
     "quantile_ema": ["model.moe.balance.aux_loss_coeff=0", "model.moe.router.use_expert_bias=true",
                      "model.moe.balance.quantile_balance=true", "model.moe.balance.quantile_momentum=0.9"],
 }
