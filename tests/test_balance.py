@@ -63,6 +63,54 @@ def test_bias_update_moves_against_the_load() -> None:
     assert balance.bias_update(bias, torch.tensor([3, 3, 3, 3]), 0.1).tolist() == [0.0] * 4
 
 
+def bias_update_reference(bias: list[float], counts: list[int], rate: float, rule: str) -> list[float]:
+    """The rules written out per expert in plain Python (floats, no tensors)."""
+    mean = sum(counts) / len(counts)
+    out = []
+    for b, c in zip(bias, counts):
+        if rule == "sign":
+            out.append(b + rate * ((mean > c) - (mean < c)))
+        else:  # proportional: the relative violation, no move when nothing was routed
+            out.append(b + (rate * (mean - c) / mean if mean > 0 else 0.0))
+    return out
+
+
+@pytest.mark.parametrize("rule", ["sign", "proportional"])
+@pytest.mark.parametrize("counts", [
+    [10, 2, 4, 4],  # mean 5: one hot, three cold
+    [3, 3, 3, 3],  # balanced: nothing moves
+    [0, 0, 0, 0],  # nothing routed (an empty micro-batch): nothing moves, no division by zero
+    [16, 0, 0, 0, 0, 0, 0, 0],  # every token on one expert (k = 2 of 8 caps it at 4x, here 8x)
+    [7, 1, 0, 9, 3],  # prime E, an empty expert
+])
+def test_bias_update_rules_match_the_reference(rule: str, counts: list[int]) -> None:
+    g = torch.Generator().manual_seed(len(counts))
+    bias = torch.randn(len(counts), generator=g) * 0.01
+    new = balance.bias_update(bias, torch.tensor(counts), 3e-3, rule)
+    ref = bias_update_reference(bias.tolist(), counts, 3e-3, rule)
+    torch.testing.assert_close(new, torch.tensor(ref), rtol=1e-6, atol=1e-9)  # fp32 vs Python floats
+    with pytest.raises(ValueError, match="bias_update_rule='nope'"):
+        balance.bias_update(bias, torch.tensor(counts), 1e-3, "nope")
+
+
+def test_proportional_step_scales_with_the_violation() -> None:
+    # the sign rule moves every unbalanced expert by u; the proportional rule by u * violation
+    counts = torch.tensor([40, 10, 10, 20])  # mean 20: violations +1, -0.5, -0.5, 0
+    new = balance.bias_update(torch.zeros(4), counts, 0.01, "proportional")
+    assert new.tolist() == pytest.approx([-0.01, 0.005, 0.005, 0.0])
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.5, 0.9])
+def test_quantile_step_is_the_ema_of_the_quantile_bias(momentum: float) -> None:
+    g = torch.Generator().manual_seed(2)
+    bias, target = torch.randn(6, generator=g), torch.randn(6, generator=g)
+    new = balance.quantile_step(bias, target, momentum)
+    ref = [momentum * b + (1 - momentum) * q for b, q in zip(bias.tolist(), target.tolist())]
+    torch.testing.assert_close(new, torch.tensor(ref), rtol=1e-6, atol=1e-7)
+    if momentum == 0.0:  # the old rule bit for bit: the bias set to q outright
+        assert torch.equal(new, target)
+
+
 def skewed_scores(T: int, E: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     skew = torch.linspace(0.0, 3.0, E)  # expert E-1 is strongly preferred
@@ -106,6 +154,18 @@ def test_maxvio() -> None:
     (dict(router=RouterConfig(use_expert_bias=True), balance=BalanceConfig(bias_update_rate=0.2)),
      "bias_update_rate=0.2"),
     (dict(balance=BalanceConfig(seq_aux_loss_coeff=-1.0)), "seq_aux_loss_coeff=-1.0"),
+    (dict(router=RouterConfig(use_expert_bias=True),
+          balance=BalanceConfig(bias_update_rate=1e-3, bias_update_rule="pid")), "bias_update_rule='pid'"),
+    (dict(router=RouterConfig(use_expert_bias=True),
+          balance=BalanceConfig(quantile_balance=True, quantile_momentum=1.0)), "quantile_momentum=1.0"),
+    (dict(router=RouterConfig(use_expert_bias=True),
+          balance=BalanceConfig(quantile_balance=True, quantile_momentum=-0.1)), "quantile_momentum=-0.1"),
+    (dict(router=RouterConfig(use_expert_bias=True),
+          balance=BalanceConfig(bias_update_rate=1e-3, quantile_momentum=0.9)), "needs quantile_balance"),
+    (dict(router=RouterConfig(use_expert_bias=True), balance=BalanceConfig(bias_warm_start_steps=5)),
+     "bias_warm_start_steps=5"),
+    (dict(router=RouterConfig(use_expert_bias=True),
+          balance=BalanceConfig(bias_update_rate=1e-3, bias_warm_start_steps=-1)), "bias_warm_start_steps=-1"),
     (dict(router=RouterConfig(strategy="expert_threshold", max_experts_per_token=9)), "max_experts"),
     (dict(router=RouterConfig(threshold_momentum=1.0)), "threshold_momentum"),
 ])
@@ -136,3 +196,19 @@ def test_layer_sequence_scope_and_global_probabilities() -> None:
     torch.testing.assert_close(out.seq_aux_loss, balance.sequence_aux_loss(d.scores_TE, d.ids_TK, 7))
     torch.testing.assert_close(out.probs_mean_E, d.scores_TE.mean(0))
     assert out.probs_mean_E.requires_grad  # the global aux loss backpropagates through it
+
+
+def test_first_balanced_step_takes_a_window_of_the_worst_layer() -> None:
+    from dropless.bench.balance import first_balanced_step
+
+    def rows(*vio_per_layer: list[float]) -> list[dict]:
+        return [{"step": 10 + i, "layers": [{"maxvio_global": v[i]} for v in vio_per_layer]}
+                for i in range(len(vio_per_layer[0]))]
+
+    calm = [0.1] * 12
+    # one lucky step does not count; a window of 3 reaching <= 0.5 does, at its last step
+    assert first_balanced_step(rows([2.0, 0.0, 2.0, 0.6, 0.5, 0.4, 0.5]), window=3) == 15
+    # the worst layer decides: layer 0 is calm, layer 1 is not
+    assert first_balanced_step(rows(calm, [1.0] * 12), window=3) is None
+    assert first_balanced_step(rows(calm, calm), window=10) == 19
+    assert first_balanced_step(rows([0.1] * 5), window=10) is None  # fewer steps than the window

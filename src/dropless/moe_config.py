@@ -19,6 +19,7 @@ PRECISIONS = ("bf16", "mxfp8", "fp8_blockwise", "nvfp4", "mxfp4")
 # (ops/quant_gemm.py check_widths; tests/test_config_combos.py keeps this table equal to it).
 PRECISION_WIDTH_BLOCK = {"mxfp8": 32, "fp8_blockwise": 128, "nvfp4": 16, "mxfp4": 32}
 STRATEGIES = ("token_choice", "expert_choice", "expert_threshold", "hash", "forced_balance")
+BIAS_RULES = ("sign", "proportional")  # loss-free bias update rules (layers/balance.py bias_update)
 
 
 @dataclass
@@ -123,8 +124,16 @@ class BalanceConfig:
     global_aux_loss_coeff: float = 0.0
     z_loss_coeff: float = 1e-3  # router z-loss: mean(logsumexp(logits)^2)
     bias_update_rate: float = 0.0  # loss-free bias step u (0 = off); needs router.use_expert_bias
+    # sign: b += u * sign(mean - load) (DeepSeek-V3); proportional: b += u * (mean - load) / mean,
+    # a step that scales with the relative violation (layers/balance.py bias_update)
+    bias_update_rule: str = "sign"
+    # warm start: the first n optimizer steps set the bias by quantile balancing (outright, each
+    # step), then bias_update_rule takes over from there (0 = off; needs bias_update_rate > 0)
+    bias_warm_start_steps: int = 0
     # Quantile balancing: set the bias each step from the score distribution (layers/balance.py).
     quantile_balance: bool = False
+    # quantile balancing's damping: b <- m * b + (1 - m) * q (0 = set to q outright each step)
+    quantile_momentum: float = 0.0
 
     def validate(self, prefix: str) -> None:
         for name in ("aux_loss_coeff", "seq_aux_loss_coeff", "global_aux_loss_coeff", "z_loss_coeff",
@@ -135,6 +144,17 @@ class BalanceConfig:
         if self.quantile_balance and self.bias_update_rate > 0:
             _fail(f"{prefix}.quantile_balance", self.quantile_balance,
                   "and bias_update_rate > 0 both write the expert bias; choose one")
+        _choice(f"{prefix}.bias_update_rule", self.bias_update_rule, BIAS_RULES)
+        w = self.bias_warm_start_steps
+        if not isinstance(w, int) or isinstance(w, bool) or w < 0:
+            _fail(f"{prefix}.bias_warm_start_steps", w, "must be an integer >= 0 (0 = off)")
+        if w and not self.bias_update_rate > 0:
+            _fail(f"{prefix}.bias_warm_start_steps", w,
+                  "needs bias_update_rate > 0: the rate rule takes over after the warm start")
+        if not 0.0 <= self.quantile_momentum < 1.0:
+            _fail(f"{prefix}.quantile_momentum", self.quantile_momentum, "must be in [0, 1)")
+        if self.quantile_momentum > 0 and not self.quantile_balance:
+            _fail(f"{prefix}.quantile_momentum", self.quantile_momentum, "needs quantile_balance=true")
 
 
 @dataclass

@@ -75,13 +75,33 @@ def global_aux_loss(probs_mean_E: torch.Tensor, global_counts_E: torch.Tensor, t
     return scale * E * (f_E * probs_mean_E).sum()
 
 
-def bias_update(bias_E: torch.Tensor, counts_E: torch.Tensor, rate: float) -> torch.Tensor:
-    """Loss-free balancing step: b_e += u * sign(mean_load - load_e). Returns the new bias.
+def bias_update(bias_E: torch.Tensor, counts_E: torch.Tensor, rate: float, rule: str = "sign") -> torch.Tensor:
+    """Loss-free balancing step; returns the new bias. Use global-batch counts, once per optimizer step.
 
-    Use global-batch counts, once per optimizer step. Experts at exactly the mean do not move.
+    sign:         b_e += u * sign(mean_load - load_e)   (DeepSeek-V3; experts at the mean do not move)
+    proportional: b_e += u * (mean_load - load_e) / mean_load
+    The proportional step is the expert's relative violation times u: large while the router is far
+    from balance (an expert at 3x its share moves 2u), small near it. The sign rule's fixed step must
+    be small to settle and then takes hundreds of steps to catch up. The proportional step lies in
+    [-u * (E/k - 1), u] (an expert takes each token at most once). Nothing routed: no move. On the
+    tiny preset (softmax, byte tokens) u = 0.02 oscillated: a large step moves whole clumps of
+    near-margin tokens at once (docs/quality.md "Balancing without a quality cost").
     """
     load = counts_E.to(bias_E.dtype)
-    return bias_E + rate * torch.sign(load.mean() - load)
+    mean = load.mean()
+    if rule == "sign":
+        return bias_E + rate * torch.sign(mean - load)
+    if rule == "proportional":
+        return bias_E + rate * (mean - load) / mean.clamp_min(1.0)
+    raise ValueError(f"bias_update_rule={rule!r}: expected 'sign' or 'proportional'")
+
+
+def quantile_step(bias_E: torch.Tensor, target_E: torch.Tensor, momentum: float) -> torch.Tensor:
+    """Quantile balancing's bias move: b <- m * b + (1 - m) * q, q = the step's `quantile_bias`.
+    m = 0 sets the bias to q outright (every token's routing follows this step's noisy estimate)."""
+    if momentum == 0.0:
+        return target_E.to(bias_E.dtype)
+    return momentum * bias_E + (1.0 - momentum) * target_E.to(bias_E.dtype)
 
 
 def quantile_bias(sel_TE: torch.Tensor, top_k: int, iters: int = 3) -> torch.Tensor:

@@ -120,6 +120,9 @@ class MoELayer(nn.Module):
         # (and its EP twin, distributed.ep.build_ep_dispatcher) honours it
         self.dispatcher: Dispatcher = dispatcher or build_dispatcher(cfg, self.experts)
         self.detailed_stats = False  # set by the trainer on log steps
+        # stats.quantile_bias_E: quantile balancing, or the loss-free bias's warm-start steps (the
+        # trainer sets it per step, train/health.py)
+        self.quantile_stats = cfg.balance.quantile_balance
         self.recompute_shared = False  # model.recompute "shared_experts", set by the model's Block
         # calls of at most this many tokens take the decode path (decode_experts.py; 0 = never,
         # None = the measured default of the device, without autograd only)
@@ -204,7 +207,7 @@ class MoELayer(nn.Module):
                 extra["router_entropy"], extra["top1_top2_ratio"] = router_summaries(probs_TE)
             if self.cfg.router.strategy == "expert_threshold":
                 extra["score_quantile_E"] = routing.score_quantile(decision.scores_TE, self.cfg.top_k)
-            if self.cfg.balance.quantile_balance:
+            if self.quantile_stats:
                 extra["quantile_bias_E"] = balance.quantile_bias(
                     self.router.selection_base(decision), self.cfg.top_k)
         dropped = meta.pairs_dropped

@@ -68,6 +68,7 @@ class TrainHealth:
         self.probe_BS = probe_BS
         self.prev_probe_ids: list[torch.Tensor | None] = [None] * len(self.layers)
         self._quantile: list[torch.Tensor] = []
+        self._step, self._warm = 0, False
         self._threshold: list[torch.Tensor] = []
         self._n_micro = 0
 
@@ -99,9 +100,14 @@ class TrainHealth:
 
     # -- per step -----------------------------------------------------------------------------------
 
-    def begin_step(self, log_step: bool) -> None:
+    def begin_step(self, log_step: bool, step: int) -> None:
+        """`step`: the optimizer step about to run (the loss-free bias's warm start counts them)."""
+        bal = self.cfg.balance
+        self._step = step
+        self._warm = step < bal.bias_warm_start_steps  # the quantile rule sets the bias this step
         for layer in self.layers:
             layer.detailed_stats = log_step
+            layer.quantile_stats = bal.quantile_balance or self._warm
         self._quantile, self._threshold, self._n_micro = [], [], 0
         if self.layers:
             self.acc.begin_step()
@@ -111,7 +117,7 @@ class TrainHealth:
             return
         for i, m in enumerate(out.moe):
             self.acc.add(i, m.stats, m.aux_loss)
-        if self.cfg.balance.quantile_balance:
+        if self.cfg.balance.quantile_balance or self._warm:
             q = torch.stack([m.stats.quantile_bias_E for m in out.moe])
             self._quantile.append(q)
         if self.cfg.router.strategy == "expert_threshold":
@@ -134,7 +140,7 @@ class TrainHealth:
     def rollback(self, snap: dict[str, torch.Tensor], log_step: bool) -> None:
         for n, t in snap.items():
             getattr(self.acc, n).copy_(t)
-        self.begin_step(log_step)
+        self.begin_step(log_step, self._step)
 
     @torch.no_grad()
     def end_step(self, skip: torch.Tensor | None = None, nonfinite: torch.Tensor | None = None) -> None:
@@ -149,15 +155,18 @@ class TrainHealth:
             return new if skip is None else torch.where(skip, old, new)
 
         bal = self.cfg.balance
-        if bal.bias_update_rate > 0:
+        if bal.bias_update_rate > 0 and not self._warm:
             for i, layer in enumerate(self.layers):
                 bias = layer.router.expert_bias
-                new = balance.bias_update(bias, self.acc.step_counts_LE[i], bal.bias_update_rate)
+                new = balance.bias_update(bias, self.acc.step_counts_LE[i], bal.bias_update_rate,
+                                          bal.bias_update_rule)
                 layer.router.set_bias(keep(bias, new))
         if self._quantile:
             q_LE = self._mean_over_micro_and_ranks(self._quantile)
+            m = 0.0 if self._warm else bal.quantile_momentum  # the warm start sets it outright
             for i, layer in enumerate(self.layers):
-                layer.router.set_bias(keep(layer.router.expert_bias, q_LE[i]))
+                bias = layer.router.expert_bias
+                layer.router.set_bias(keep(bias, balance.quantile_step(bias, q_LE[i], m)))
         if self._threshold:
             t_LE = self._mean_over_micro_and_ranks(self._threshold)
             for i, layer in enumerate(self.layers):

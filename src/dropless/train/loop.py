@@ -303,7 +303,7 @@ class Trainer:
         t = self.cfg.train
         bal, K = self.cfg.model.moe.balance, self.cfg.model.moe.top_k
         pre_counts = self._global_counts(step)
-        self.health.begin_step(log_step)
+        self.health.begin_step(log_step, step)
         zero = lambda dtype=torch.float32: torch.zeros((), dtype=dtype, device=self.device)  # noqa: E731
         sums = StepLosses(zero(), zero(), zero(), zero() if self.cfg.model.mtp_depth else None)
         dropped, demand = zero(torch.int64), zero(torch.int64)
