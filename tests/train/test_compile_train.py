@@ -25,6 +25,14 @@ FIVE = ("train.steps=5", "train.warmup_steps=1", "train.eval_every=5", "train.ck
         "train.dtype=bf16")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> None:
+    # Every Block shares one code object (Block.forward), and dynamo keeps at most 8 compiled entries
+    # per code object in a process: after the suite's other compile tests (other widths, other models)
+    # a fullgraph compile here would hit that limit and fall back. A user's run compiles one model.
+    torch._dynamo.reset()
+
+
 def _losses(run_dir: Path, *extra: str) -> tuple[list[float], float, Trainer]:
     trainer = Trainer(tiny(*FIVE, *extra), run_dir)
     summary = trainer.fit()
