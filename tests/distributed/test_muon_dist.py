@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from dist_harness import run_world
+from test_parallel_train import _local_state  # params and optimizer state, local shards
 from dropless.train import checkpoint as ckpt
 from dropless.train.loop import Trainer
 from dropless.train.muon import Muon
@@ -41,15 +42,6 @@ def max_rel(got: list[float], ref: list[float]) -> float:
 
 BUFFERED_SKEW = ["model.moe.router.use_expert_bias=true", "parallel.ep_size=2", "parallel.ep_mode=buffered",
                  "parallel.ragged_buffer_factor=0.5", "train.steps=4", "parallel.retry_on_overflow=false"]
-
-
-def _local_state(trainer: Trainer) -> list[torch.Tensor]:
-    out = []
-    for p in trainer.model.parameters():
-        out.append(p.to_local().clone())
-        out += [v.to_local().clone() if hasattr(v, "to_local") else v.clone()
-                for v in trainer.optimizer.state[p].values()]
-    return out
 
 
 def _world(rank: int, world: int, root: Path) -> None:
