@@ -7,6 +7,7 @@ counted from live storages (not the planner's fake-tensor count)."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -297,3 +298,32 @@ def test_ep_adjustment_adds_the_rows_the_lean_experts_keep(dtype: str) -> None:
     planned = (activation_bytes(cfg.model, t.batch_size, t.seq_len, bf16, (E, T * K)).moe_block
                - activation_bytes(cfg.model, t.batch_size, t.seq_len, bf16).moe_block)
     assert planned == real
+
+
+def test_settled_bytes_waits_for_a_thread_that_still_holds_a_storage() -> None:
+    """The world-2 measurements read the activations once another thread (gloo's worker) has let go
+    of what it still held: a storage that a thread drops 0.2 s later is counted by one reading and
+    not by the settled one, which still counts what the caller keeps."""
+    import threading
+
+    from dropless.saved_bytes import AliveStorages
+
+    held, go = threading.Event(), threading.Event()
+    with AliveStorages() as alive:
+        kept = torch.zeros(1000)
+        lent = torch.zeros(256)
+
+    def hold(t: torch.Tensor) -> None:
+        held.set()
+        go.wait()
+        time.sleep(0.2)
+
+    th = threading.Thread(target=hold, args=(lent,))
+    th.start()
+    held.wait()
+    del lent
+    go.set()
+    assert alive.alive_bytes() == 4000 + 1024
+    assert alive.settled_bytes() == 4000
+    th.join()
+    assert kept.numel() == 1000

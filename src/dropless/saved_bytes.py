@@ -33,6 +33,7 @@ hooks never see those; dropless's own Functions save every tensor through `save_
 from __future__ import annotations
 
 import gc
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -146,3 +147,21 @@ class AliveStorages(TorchDispatchMode):
         gc.collect()
         return sum(torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
                    for ptr, (ref, _) in self.storages.items() if not ref.expired() and ptr not in skip)
+
+    def settled_bytes(self, skip: set[int] = frozenset(), agree: int = 3, interval_s: float = 0.02,
+                      timeout_s: float = 5.0) -> int:
+        """`alive_bytes` once it stops falling: `agree` equal readings `interval_s` apart (at most
+        `timeout_s`, then the lowest seen). Another thread can hold a storage for a moment after the
+        op that made it has returned: gloo's worker thread marks an all-to-all done, then takes its
+        lock back before it drops the work, and the work holds the exchange's input and output. On a
+        busy 2-core machine that thread can wait a scheduler slice, and a single reading counted an
+        all-to-all's two buffers as activations. Only releases can happen while nothing runs, so
+        the settled reading is the lowest."""
+        low = self.alive_bytes(skip)
+        same, deadline = 1, time.monotonic() + timeout_s
+        while same < agree and time.monotonic() < deadline:
+            time.sleep(interval_s)
+            now = self.alive_bytes(skip)
+            same = same + 1 if now == low else 1
+            low = min(low, now)
+        return low

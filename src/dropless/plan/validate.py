@@ -163,7 +163,7 @@ def measure(cfg: RunConfig, steps: int, distributed: bool) -> dict[str, int]:
             recording["on"] = False
             constants = {_local(q).untyped_storage().data_ptr()
                          for q in [*model.parameters(), *model.buffers()]}
-            out["activations"] = alive.alive_bytes(constants | host_copies)
+            out["activations"] = alive.settled_bytes(constants | host_copies)
             host_copies.clear()
             out["offload_host"] = model.offloader.counter.take().bytes_to_host if model.offloader else 0
             del alive
