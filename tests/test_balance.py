@@ -212,3 +212,44 @@ def test_first_balanced_step_takes_a_window_of_the_worst_layer() -> None:
     assert first_balanced_step(rows(calm, [1.0] * 12), window=3) is None
     assert first_balanced_step(rows(calm, calm), window=10) == 19
     assert first_balanced_step(rows([0.1] * 5), window=10) is None  # fewer steps than the window
+
+
+def adaptive_reference(counts_seq: list[list[int]], rate: float) -> list[list[float]]:
+    """The adaptive rule written out per expert in plain Python: a step per expert that grows 1.2x
+    while the sign of (mean - load) repeats, halves when it flips, stays when either sign is 0,
+    clamped to [u/10, 50u]; returns the bias after each step."""
+    E = len(counts_seq[0])
+    bias, step, last, out = [0.0] * E, [rate] * E, [0.0] * E, []
+    for counts in counts_seq:
+        mean = sum(counts) / E
+        for e, c in enumerate(counts):
+            d = float((mean > c) - (mean < c))
+            s = step[e] * (1.2 if d * last[e] > 0 else 0.5 if d * last[e] < 0 else 1.0)
+            step[e] = min(max(s, rate / 10), 50 * rate)
+            bias[e] += step[e] * d
+            last[e] = d
+        out.append(list(bias))
+    return out
+
+
+def test_adaptive_bias_update_matches_the_reference() -> None:
+    # 30 steps of E = 7 (prime), mean load 10: expert 0 hot throughout (its step grows to the 50u
+    # cap), expert 1 cold then hot (one halving at the flip), expert 2 at the mean (no move, step
+    # kept), expert 3 flipping every step (its step decays to the u/10 floor), experts 4 and 5 empty
+    seq = []
+    for t in range(30):
+        c1 = 3 if t < 10 else 14
+        c3 = 15 if t % 2 else 5
+        seq.append([18, c1, 10, c3, 0, 0, 42 - c1 - c3])
+    rate = 1e-3
+    bias, step, sign = torch.zeros(7), torch.full((7,), rate), torch.zeros(7)
+    want = adaptive_reference(seq, rate)
+    for t, counts in enumerate(seq):
+        bias, step, sign = balance.adaptive_bias_update(bias, step, sign, torch.tensor(counts), rate)
+        torch.testing.assert_close(bias, torch.tensor(want[t]), rtol=1e-5, atol=1e-7)  # fp32 vs floats
+    assert step[0].item() == pytest.approx(50 * rate)  # the cap
+    assert step[3].item() == pytest.approx(rate / 10)  # the floor
+    assert step[2].item() == pytest.approx(rate) and bias[2].item() == 0.0  # at the mean: never moved
+    assert bias[0].item() < -0.5 * 50 * rate * 10  # the hot expert ran far below the sign rule's -0.03
+    nothing = balance.adaptive_bias_update(bias, step, sign, torch.zeros(7, dtype=torch.long), rate)
+    assert torch.equal(nothing[0], bias) and torch.equal(nothing[1], step)  # nothing routed: no move

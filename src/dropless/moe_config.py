@@ -19,7 +19,7 @@ PRECISIONS = ("bf16", "mxfp8", "fp8_blockwise", "nvfp4", "mxfp4")
 # (ops/quant_gemm.py check_widths; tests/test_config_combos.py keeps this table equal to it).
 PRECISION_WIDTH_BLOCK = {"mxfp8": 32, "fp8_blockwise": 128, "nvfp4": 16, "mxfp4": 32}
 STRATEGIES = ("token_choice", "expert_choice", "expert_threshold", "hash", "forced_balance")
-BIAS_RULES = ("sign", "proportional")  # loss-free bias update rules (layers/balance.py bias_update)
+BIAS_RULES = ("sign", "proportional", "adaptive")  # loss-free bias rules (layers/balance.py bias_update)
 
 
 @dataclass
@@ -125,7 +125,9 @@ class BalanceConfig:
     z_loss_coeff: float = 1e-3  # router z-loss: mean(logsumexp(logits)^2)
     bias_update_rate: float = 0.0  # loss-free bias step u (0 = off); needs router.use_expert_bias
     # sign: b += u * sign(mean - load) (DeepSeek-V3); proportional: b += u * (mean - load) / mean,
-    # a step that scales with the relative violation (layers/balance.py bias_update)
+    # a step that scales with the relative violation; adaptive: the sign rule with a per-expert step
+    # that starts at u, grows while an expert's violation keeps its sign and halves when it flips
+    # (layers/balance.py bias_update, adaptive_bias_update)
     bias_update_rule: str = "sign"
     # warm start: the first n optimizer steps set the bias by quantile balancing (outright, each
     # step), then bias_update_rule takes over from there (0 = off; needs bias_update_rate > 0)

@@ -19,6 +19,9 @@ RULES = {
     "sign": ("model.moe.router.use_expert_bias=true", "model.moe.balance.bias_update_rate=0.01"),
     "proportional": ("model.moe.router.use_expert_bias=true", "model.moe.balance.bias_update_rate=0.05",
                      "model.moe.balance.bias_update_rule=proportional"),
+    # the sign rule with a per-expert step that grows and halves (its step and sign are buffers too)
+    "adaptive": ("model.moe.router.use_expert_bias=true", "model.moe.balance.bias_update_rate=0.01",
+                 "model.moe.balance.bias_update_rule=adaptive"),
     "quantile_ema": ("model.moe.router.use_expert_bias=true", "model.moe.balance.quantile_balance=true",
                      "model.moe.balance.quantile_momentum=0.75"),
     # two quantile steps, then the sign rule
@@ -49,6 +52,8 @@ def test_a_step_moves_the_bias_by_the_rule_without_a_host_read(tmp_path: Path, r
     bal = trainer.cfg.model.moe.balance
     for step in range(4):  # from a nonzero bias: the EMA's and the rules' first term matters
         before = [layer.router.expert_bias.clone() for layer in trainer.health.layers]
+        state = [(layer.router.bias_step_E.clone(), layer.router.bias_sign_E.clone())
+                 for layer in trainer.health.layers] if rule == "adaptive" else None
         with forbid_host_sync("host read in a training step"):
             trainer.train_step(step)
         for i, layer in enumerate(trainer.health.layers):
@@ -57,6 +62,10 @@ def test_a_step_moves_the_bias_by_the_rule_without_a_host_read(tmp_path: Path, r
             if quantile:
                 q = torch.stack([m[i] for m in seen["quantile"]]).mean(0)  # one rank: the micro mean
                 want = balance.quantile_step(before[i], q, bal.quantile_momentum)  # 0 in the warm start
+            elif state is not None:
+                want, step_E, sign_E = balance.adaptive_bias_update(
+                    before[i], *state[i], seen["counts_LE"][i], bal.bias_update_rate)
+                assert torch.equal(layer.router.bias_step_E, step_E) and torch.equal(layer.router.bias_sign_E, sign_E)
             else:
                 want = balance.bias_update(before[i], seen["counts_LE"][i], bal.bias_update_rate,
                                            bal.bias_update_rule)
@@ -66,9 +75,11 @@ def test_a_step_moves_the_bias_by_the_rule_without_a_host_read(tmp_path: Path, r
 
 
 @pytest.mark.slow  # two short trainings and a resume (~30 s on a quiet 2-core machine)
-def test_resume_continues_the_new_rules_bit_for_bit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("rule", ["quantile_ema", "adaptive"])
+def test_resume_continues_the_new_rules_bit_for_bit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    rule: str) -> None:
     # quantile EMA: the new bias depends on the old one, so a bias not restored exactly would show in
     # every later loss and routing row (the proportional rule shares the path: a buffer the
-    # checkpoint holds, moved in TrainHealth.end_step)
-    extra = RULES["quantile_ema"] + ("train.steps=8", "train.ckpt_every=4", "train.eval_every=8")
+    # checkpoint holds, moved in TrainHealth.end_step); adaptive: its step and last sign as well
+    extra = RULES[rule] + ("train.steps=8", "train.ckpt_every=4", "train.eval_every=8")
     check_crash_resume(tmp_path, extra, 6, 4, monkeypatch)

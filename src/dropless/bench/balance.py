@@ -10,6 +10,8 @@ Trains the `tiny` preset once per method, same seed, data and steps, back to bac
     bias          loss-free expert bias, sign rule, u = 1e-3
     quantile      quantile balancing: the bias set each step from the score distribution
     bias_prop     loss-free bias, proportional rule (step u * relative violation), u = 0.02
+    bias_adaptive loss-free bias, adaptive rule: the sign rule with a per-expert step from u = 1e-3
+                  that grows 1.2x while the sign repeats and halves when it flips (in [u/10, 50u])
     bias_warm     loss-free bias, sign rule u = 1e-3 after a 50-step quantile warm start
     bias_warm_prop  the proportional rule (u = 0.02) after a 50-step quantile warm start
     bias_aux      loss-free bias (sign, u = 1e-3) plus the global aux loss (0.01): a blend
@@ -47,6 +49,8 @@ METHODS: dict[str, list[str]] = {
                  "model.moe.balance.quantile_balance=true"],
     "bias_prop": ["model.moe.balance.aux_loss_coeff=0", "model.moe.router.use_expert_bias=true",
                   "model.moe.balance.bias_update_rule=proportional", "model.moe.balance.bias_update_rate=0.02"],
+    "bias_adaptive": ["model.moe.balance.aux_loss_coeff=0", "model.moe.router.use_expert_bias=true",
+                      "model.moe.balance.bias_update_rate=0.001", "model.moe.balance.bias_update_rule=adaptive"],
     "bias_warm": ["model.moe.balance.aux_loss_coeff=0", "model.moe.router.use_expert_bias=true",
                   "model.moe.balance.bias_update_rate=0.001", "model.moe.balance.bias_warm_start_steps=50"],
     "bias_warm_prop": ["model.moe.balance.aux_loss_coeff=0", "model.moe.router.use_expert_bias=true",

@@ -93,7 +93,32 @@ def bias_update(bias_E: torch.Tensor, counts_E: torch.Tensor, rate: float, rule:
         return bias_E + rate * torch.sign(mean - load)
     if rule == "proportional":
         return bias_E + rate * (mean - load) / mean.clamp_min(1.0)
-    raise ValueError(f"bias_update_rule={rule!r}: expected 'sign' or 'proportional'")
+    raise ValueError(f"bias_update_rule={rule!r}: expected 'sign' or 'proportional' (adaptive keeps "
+                     "state: adaptive_bias_update)")
+
+
+# The adaptive rule's constants (Rprop's: Riedmiller & Braun 1993). The step grows 1.2x per step while
+# an expert stays on one side of the mean, so a 1e-3 step reaches 0.04 within 20 steps of a steady
+# drift (the tiny preset's softmax router needed |b| of 0.2-0.6 within its first hundred steps); it
+# halves when the violation changes sign, so a step that overshot shrinks at once instead of
+# oscillating (proportional u = 0.02 did). Bounds: at least u/10 (the router keeps moving, and noise
+# alone flips an expert near balance every other step: a floor keeps it tracking), at most 50u.
+ADAPTIVE_UP, ADAPTIVE_DOWN, ADAPTIVE_MIN, ADAPTIVE_MAX = 1.2, 0.5, 0.1, 50.0
+
+
+def adaptive_bias_update(bias_E: torch.Tensor, step_E: torch.Tensor, last_E: torch.Tensor,
+                         counts_E: torch.Tensor, rate: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sign rule with a per-expert step size (bias_update_rule = "adaptive"); returns (bias,
+    step, sign). d_e = sign(mean - load_e); the step s_e is multiplied by ADAPTIVE_UP where d_e has
+    the sign of the last step's d_e, by ADAPTIVE_DOWN where it has the other sign, kept where either
+    is 0 (an expert at the mean, or the first step), then clamped to [ADAPTIVE_MIN * u, ADAPTIVE_MAX
+    * u]; b_e += s_e * d_e. Nothing routed: no move, and the step is kept."""
+    load = counts_E.to(bias_E.dtype)
+    d = torch.sign(load.mean() - load)
+    same = d * last_E
+    step = torch.where(same > 0, step_E * ADAPTIVE_UP, torch.where(same < 0, step_E * ADAPTIVE_DOWN, step_E))
+    step = step.clamp(ADAPTIVE_MIN * rate, ADAPTIVE_MAX * rate)
+    return bias_E + step * d, step, d
 
 
 def quantile_step(bias_E: torch.Tensor, target_E: torch.Tensor, momentum: float) -> torch.Tensor:

@@ -105,7 +105,9 @@ class MoELayer(nn.Module):
         cfg.validate()
         self.cfg = cfg
         # the router chooses among the real experts and, after them, the identity experts (identity.py)
-        self.router = Router(d_model, cfg.routed_experts, cfg.top_k, cfg.router)
+        b = cfg.balance
+        self.router = Router(d_model, cfg.routed_experts, cfg.top_k, cfg.router,
+                             b.bias_update_rate if b.bias_update_rule == "adaptive" else 0.0)
         backend = resolve_backend(cfg.backend, cfg.capacity_factor is not None)
         # LatentMoE (latent.py): the routed experts run in latent_dim, between two projections
         # (its norm's eps is the default 1e-6: the layer never sees model.norm_eps)

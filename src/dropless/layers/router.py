@@ -43,7 +43,8 @@ class RoutingDecision:
 
 
 class Router(nn.Module):
-    def __init__(self, d_model: int, num_experts: int, top_k: int, cfg: RouterConfig) -> None:
+    def __init__(self, d_model: int, num_experts: int, top_k: int, cfg: RouterConfig,
+                 adaptive_bias_rate: float = 0.0) -> None:
         super().__init__()
         cfg.validate("router", num_experts, top_k)
         self.cfg = cfg
@@ -54,6 +55,9 @@ class Router(nn.Module):
             self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
         else:
             self.expert_bias = None
+        if adaptive_bias_rate > 0:  # the adaptive bias rule's state (layers/balance.py): checkpointed
+            self.register_buffer("bias_step_E", torch.full((num_experts,), adaptive_bias_rate))
+            self.register_buffer("bias_sign_E", torch.zeros(num_experts, dtype=torch.float32))
         if cfg.strategy == "expert_threshold":
             self.register_buffer("threshold_E", torch.zeros(num_experts, dtype=torch.float32))
             self.register_buffer("threshold_ready", torch.zeros((), dtype=torch.bool))
@@ -131,6 +135,11 @@ class Router(nn.Module):
         return RoutingDecision(ids_TK, weights_TK, scores_TE, logits_TE)
 
     @torch.no_grad()
+    def set_adaptive(self, step_E: torch.Tensor, sign_E: torch.Tensor) -> None:
+        """Write the adaptive bias rule's per-expert step and last sign."""
+        self.bias_step_E.copy_(step_E)
+        self.bias_sign_E.copy_(sign_E)
+
     def set_bias(self, bias_E: torch.Tensor) -> None:
         """Write a new expert bias (from balance.bias_update or balance.quantile_bias)."""
         if self.expert_bias is None:

@@ -157,10 +157,16 @@ class TrainHealth:
         bal = self.cfg.balance
         if bal.bias_update_rate > 0 and not self._warm:
             for i, layer in enumerate(self.layers):
-                bias = layer.router.expert_bias
-                new = balance.bias_update(bias, self.acc.step_counts_LE[i], bal.bias_update_rate,
-                                          bal.bias_update_rule)
-                layer.router.set_bias(keep(bias, new))
+                r = layer.router
+                bias = r.expert_bias
+                if bal.bias_update_rule == "adaptive":
+                    new, step, sign = balance.adaptive_bias_update(
+                        bias, r.bias_step_E, r.bias_sign_E, self.acc.step_counts_LE[i], bal.bias_update_rate)
+                    r.set_adaptive(keep(r.bias_step_E, step), keep(r.bias_sign_E, sign))
+                else:
+                    new = balance.bias_update(bias, self.acc.step_counts_LE[i], bal.bias_update_rate,
+                                              bal.bias_update_rule)
+                r.set_bias(keep(bias, new))
         if self._quantile:
             q_LE = self._mean_over_micro_and_ranks(self._quantile)
             m = 0.0 if self._warm else bal.quantile_momentum  # the warm start sets it outright
