@@ -96,7 +96,8 @@ VARIANTS = ("grid", "offload", "recompute_ep")
 def case_config(case: str, world: int, dtype: str, extra: tuple[str, ...] = (), ep: bool = True) -> RunConfig:
     from ..train.run import preset_path
     over = list(CASES[case]) + (BENCH_SHAPE if case != "tiny" else []) + (WORLD_LAYOUT[world] if ep else [])
-    over += [f"train.dtype={dtype}", "train.device=cpu", *extra]
+    # AdamW: the planner's optimizer bytes are exact for it (Muon's are a stated upper bound)
+    over += [f"train.dtype={dtype}", "train.device=cpu", "train.optimizer=adamw", *extra]
     return load_config(preset_path("tiny"), over)
 
 
