@@ -44,8 +44,9 @@ from ..train.sinks import read_jsonl
 from .balance import METHODS as BALANCE_METHODS
 from .timing import format_table
 
-# each optimizer's train.lr for its row when it is not the preset's own (docs/quality.md, the sweep)
-MUON_LR, ADAMW_LR = "1e-2", "3e-3"
+# each optimizer's train.lr for its row when it is not the preset's own: the best of each optimizer's
+# 600-step grid on the tiny preset (docs/quality.md "The learning-rate grids")
+MUON_LR, ADAMW_LR = "1e-2", "1e-3"
 COLUMNS = ["variant", "val_loss", "vs_dense", "active_M", "total_M", "tokens_per_s", "maxvio_global", "wall_s"]
 
 
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--config", default="tiny", help="the preset whose variants to train (default tiny)")
     p.add_argument("--variants", default="dense,moe,moe_adamw,latent,identity,parallel,mtp1,top1,fine,"
-                                         "bal_aux_global,bal_bias,bal_quantile")
+                                         "bal_bias,bal_bias_adaptive,bal_quantile")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--out", default=None, help="folder for the runs (default runs/bench-quality-<time>)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="a.b=value")
