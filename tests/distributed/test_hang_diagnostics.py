@@ -58,6 +58,12 @@ def _faulty_run(rank: int, world: int, root: Path, fault: str, log_every: int) -
     except CollectiveMismatchError as err:
         message = str(err)
     (root / f"rank{rank}.txt").write_text(f"{time.time()!r}\n{message}")
+    # stay alive until the peer has explained too: a rank that exits closes its gloo connections, and
+    # a peer still inside a collective the watch does not see (the skip case's FSDP all-gather) would
+    # then end with gloo's "connection closed" before its own timeout fires (seen on a loaded machine)
+    deadline = time.time() + 60
+    while not (root / f"rank{1 - rank}.txt").exists() and time.time() < deadline:
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("fault,log_every", [("skip", 2), pytest.param("skip", 1, marks=pytest.mark.slow),
