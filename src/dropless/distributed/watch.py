@@ -244,8 +244,11 @@ class CommWatch:
 
 def _collective_error(err: RuntimeError) -> bool:
     """A failure of a collective issued inside torch (FSDP's), which the watch did not see go out:
-    NCCL raises `DistError`s; gloo a plain RuntimeError whose text says it timed out."""
-    return isinstance(err, dist.DistError) or "Timed out waiting" in str(err)
+    NCCL raises `DistError`s; gloo a plain RuntimeError whose text says it timed out, or that the
+    peer closed the connection (a peer whose own watch timed out first and left: on a loaded machine
+    its timer can fire before this rank's, and this rank must still join the abort and explain)."""
+    text = str(err)
+    return isinstance(err, dist.DistError) or "Timed out waiting" in text or "Connection closed by peer" in text
 
 
 def _default_store() -> dist.Store:
