@@ -140,6 +140,7 @@ class Router(nn.Module):
         self.bias_step_E.copy_(step_E)
         self.bias_sign_E.copy_(sign_E)
 
+    @torch.no_grad()
     def set_bias(self, bias_E: torch.Tensor) -> None:
         """Write a new expert bias (from balance.bias_update or balance.quantile_bias)."""
         if self.expert_bias is None:
