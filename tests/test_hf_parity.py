@@ -152,6 +152,28 @@ def test_tied_embeddings_export_to_mixtral(tmp_path: Path) -> None:
         assert_close(hf.eval()(x).logits, model(x).logits, REFERENCE[torch.float32], "tied mixtral")
 
 
+def test_export_leaves_out_the_mtp_modules(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A model trained with multi-token prediction exports as its main model: the MTP modules are
+    training-only (evaluation never runs them), so transformers loads the export with no missing or
+    unexpected keys and computes the dropless model's evaluation logits; stderr says what was left out."""
+    import dataclasses
+
+    base, _ = mapping.model_config(qwen3_config().to_dict())
+    cfg = dataclasses.replace(base, mtp_depth=2)
+    torch.manual_seed(7)
+    model = MoEModel(cfg).eval()
+    write_run(model, tmp_path / "run")
+    export_hf.export(tmp_path / "run", tmp_path / "out", "qwen3_moe", max_shard_mb=0.01)
+    n = sum(p.numel() for p in model.mtp.parameters())
+    assert f"model.mtp_depth=2: the multi-token prediction modules ({n:,} parameters)" in capsys.readouterr().err
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", output_loading_info=True, dtype=torch.float32)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    x = tokens(seed=8)
+    with torch.no_grad():
+        assert_close(hf.eval()(x).logits, model(x).logits, REFERENCE[torch.float32], "qwen3 export without MTP")
+
+
 @pytest.mark.parametrize("family,override,field", [
     ("mixtral", {"score_func": "sigmoid"}, "model.moe.router.score_func"),
     ("mixtral", {"n_groups": 2, "topk_groups": 2}, "model.moe.router.n_groups"),

@@ -87,3 +87,17 @@ def test_summarize_last_rows(tmp_path: Path) -> None:
     got = bench.summarize(tmp_path, summary)
     assert got["maxvio_global"] == pytest.approx(statistics.mean([0.25, 0.25, 0.25, 0.3, 0.4]))
     assert (got["val_loss"], got["active_M"], got["total_M"], got["tokens_per_s"]) == (1.5, 2.0, 5.0, 9.0)
+
+
+def test_rows_start_from_the_plain_moe_whatever_knob_the_preset_turns_on() -> None:
+    """A preset that turns a quality knob on (identity experts, MTP) still gets a knob-free `moe` row,
+    each knob row differs from it by that knob alone, and `default` is the preset as it is."""
+    knobs = ["model.moe.n_identity_experts=2", "model.mtp_depth=1"]
+    preset = load_config(preset_path("tiny"), knobs)
+    rows = bench.variants(preset)
+    cfg = {v: load_config(preset_path("tiny"), knobs + rows[v]).model for v in ("default", "moe", "identity", "mtp1")}
+    assert (cfg["default"].moe.n_identity_experts, cfg["default"].mtp_depth) == (2, 1)
+    assert (cfg["moe"].moe.n_identity_experts, cfg["moe"].mtp_depth) == (0, 0)
+    assert cfg["moe"] == load_config(preset_path("tiny"), bench.KNOBS_OFF).model
+    assert (cfg["identity"].moe.n_identity_experts, cfg["identity"].mtp_depth) == (2, 0)
+    assert (cfg["mtp1"].moe.n_identity_experts, cfg["mtp1"].mtp_depth) == (0, 1)

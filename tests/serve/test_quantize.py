@@ -180,3 +180,30 @@ def test_bad_inputs_fail_clearly_and_write_nothing(trained: Path, tmp_path: Path
     assert (tmp_path / "c" / "quantized" / "model.pt").is_file()
     capsys.readouterr()
     fails([str(tmp_path / "c"), "--experts", "nvfp4", "--out", str(tmp_path / "d")], "already a packed run")
+
+
+def test_quantize_and_evaluate_a_run_with_identity_experts_and_mtp(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    """The quality knobs the default preset may carry serve like the plain model: a run with an
+    identity expert and an MTP module quantizes (the identity expert has no weights to pack, the MTP
+    block is dense and stays as trained), loads, evaluates its main loss alone, and sweeps top-k."""
+    run, out = tmp_path / "run", tmp_path / "q"
+    Trainer(tiny("train.steps=4", "train.ckpt_every=4", "train.eval_every=4",
+                 "model.moe.n_identity_experts=1", "model.mtp_depth=1"), run).fit()
+    assert cli.main(["quantize", str(run), "--experts", "mxfp4", "--out", str(out)]) == 0
+    q, cfg = load_model(out)
+    orig, _ = load_model(run)
+    assert cfg.model.moe.n_identity_experts == 1 and cfg.model.mtp_depth == 1
+    for k, v in orig.state_dict().items():
+        if k.startswith("mtp."):
+            assert torch.equal(q.state_dict()[k], v), k
+    ref = _fake_quantised(run, "mxfp4")
+    x = torch.randint(0, 256, (3, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert_close(q(x).logits, ref(x).logits, REFERENCE[torch.float32], "identity+mtp mxfp4 logits")
+    loss_q = val_loss(q, cfg, max_batches=1)
+    assert abs(loss_q - val_loss(ref, cfg, max_batches=1)) <= REFERENCE[torch.float32].rtol * loss_q
+    capsys.readouterr()
+    assert cli.main(["evaluate", "--run-dir", str(out), "--serve-sweep", "--max-batches", "1"]) == 0
+    sweep = capsys.readouterr().out
+    assert "| 2 | 2 | trained |" in sweep and "| 1 | 1 |" in sweep

@@ -8,9 +8,12 @@ Trains each variant of the preset (default `tiny`) for the same steps, tokens an
 and tabulates the final validation loss (nats/byte), active and total parameters, tokens/s, the final
 global MaxVio (worst layer, mean of the last 5 logged steps) and the val loss relative to the `dense`
 row. Variants are overrides of the preset, derived from its own shape (E experts, top-k, width f,
-model width d), so that they stay meaningful when the preset changes:
+model width d), so that they stay meaningful when the preset changes. Every row but `default` starts
+from the preset's plain MoE: the quality knobs of KNOBS_OFF at their off values, so a knob the preset
+turns on (the `tiny` preset's identity experts) is measured as one change against the same `moe` row:
+    default        the preset as it is
     dense          every layer a dense MLP of width k*f (+ shared width): the same active parameters
-    moe            the preset as it is
+    moe            the preset's plain MoE (KNOBS_OFF)
     moe_adamw      the preset with AdamW at ADAMW_LR
     moe_muon       the preset with expert-wise Muon at MUON_LR
     latent         LatentMoE, l = d/2
@@ -47,6 +50,10 @@ from .timing import format_table
 # each optimizer's train.lr for its row when it is not the preset's own: the best of each optimizer's
 # 600-step grid on the tiny preset (docs/quality.md "The learning-rate grids")
 MUON_LR, ADAMW_LR = "1e-2", "1e-3"
+# the model knobs of issue 14 at their off values (config.py's defaults): the base of every row but
+# `default`. The preset's shape, router, balancing and optimizer are kept.
+KNOBS_OFF = ["model.mtp_depth=0", "model.moe.n_identity_experts=0", "model.moe.latent_dim=0",
+             "model.moe.latent_norm=false", "model.block=sequential"]
 COLUMNS = ["variant", "val_loss", "vs_dense", "active_M", "total_M", "tokens_per_s", "maxvio_global", "wall_s"]
 
 
@@ -56,6 +63,7 @@ def variants(cfg: RunConfig) -> dict[str, list[str]]:
     E, k, f, d = moe.num_experts, moe.top_k, moe.d_expert, m.d_model
     shared = moe.n_shared_experts * (moe.d_shared or f)
     out = {
+        "default": [],
         "dense": [f"model.n_dense_layers={m.n_layers}", f"model.d_ff_dense={k * f + shared}",
                   "model.moe_layer_freq=1"],
         "moe": [],
@@ -73,7 +81,7 @@ def variants(cfg: RunConfig) -> dict[str, list[str]]:
     # the balancing rows: bench balance's methods, each on top of the preset's own balancing
     # settings cleared to the same baseline that bench uses (its aux coefficient set explicitly)
     out.update({f"bal_{name}": list(sets) for name, sets in BALANCE_METHODS.items()})
-    return out
+    return {name: sets if name == "default" else KNOBS_OFF + sets for name, sets in out.items()}
 
 
 def schedule(cfg: RunConfig, steps: int) -> list[str]:

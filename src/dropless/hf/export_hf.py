@@ -12,6 +12,12 @@ The names and layouts are hf/mapping.py's table read backwards: the per-expert l
 routing, an expert bias, shared experts, ...) is a ValueError naming the field, before anything is
 written; the folder is assembled hidden and renamed into place at the end.
 
+Multi-token prediction modules (`model.mtp_depth` > 0, layers/mtp.py) are left out, with a note on
+stderr: they only add a training loss, evaluation and generation never run them, so the exported
+model computes the same logits without them (as DeepSeek-V3's own inference drops its MTP layer).
+None of the three families has a place for dropless's dense MTP block; DeepSeek-V3's
+`num_nextn_predict_layers` describes an MoE one, and the export writes 0 there.
+
 Streaming: a shard's tensors are copied out of the model (cast to the output dtype) until the shard is
 full, written, and dropped, so at most one shard is held beside the model.
 """
@@ -115,6 +121,11 @@ def export(run_dir: str | Path, out: str | Path, family: str, dtype: str = "fp32
     if tok is not None and not (tok / "tokenizer.json").is_file():
         raise ValueError(f"data.tokenizer_path={cfg.data.tokenizer_path!r}: no tokenizer.json there to export")
     model, _ = load_model(run_dir)
+    if cfg.model.mtp_depth:
+        n = sum(p.numel() for p in model.mtp.parameters())
+        print(f"dropless export-hf: model.mtp_depth={cfg.model.mtp_depth}: the multi-token prediction "
+              f"modules ({n:,} parameters) are training-only and left out; the export is the main model",
+              file=sys.stderr)
     tmp = out.parent / f".{out.name}.export-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)

@@ -182,7 +182,6 @@ def check_exportable(cfg: ModelConfig, family: str) -> None:
         ("model.moe_layer_freq", cfg.moe_layer_freq,
          cfg.moe_layer_ids != tuple(range(cfg.n_dense_layers, cfg.n_layers)), "a dense prefix, then MoE layers"),
         ("model.block", cfg.block, cfg.block != "sequential", "sequential blocks"),
-        ("model.mtp_depth", cfg.mtp_depth, cfg.mtp_depth > 0, "no multi-token prediction modules"),
         ("model.moe.n_identity_experts", m.n_identity_experts, m.n_identity_experts > 0, "no identity experts"),
         ("model.moe.latent_dim", m.latent_dim, m.latent_dim > 0, "experts in the model width"),
         ("model.qk_norm", cfg.qk_norm, cfg.qk_norm and family != "qwen3_moe", "no q/k RMSNorm"),
