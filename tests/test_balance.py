@@ -166,6 +166,10 @@ def test_maxvio() -> None:
      "bias_warm_start_steps=5"),
     (dict(router=RouterConfig(use_expert_bias=True),
           balance=BalanceConfig(bias_update_rate=1e-3, bias_warm_start_steps=-1)), "bias_warm_start_steps=-1"),
+    (dict(router=RouterConfig(use_expert_bias=True),
+          balance=BalanceConfig(bias_update_rate=1e-3, bias_rate_schedule="cosine")), "bias_rate_schedule='cosine'"),
+    (dict(router=RouterConfig(use_expert_bias=True), balance=BalanceConfig(bias_rate_schedule="lr")),
+     "bias_rate_schedule='lr'.*needs bias_update_rate > 0"),
     (dict(router=RouterConfig(strategy="expert_threshold", max_experts_per_token=9)), "max_experts"),
     (dict(router=RouterConfig(threshold_momentum=1.0)), "threshold_momentum"),
 ])
@@ -253,3 +257,13 @@ def test_adaptive_bias_update_matches_the_reference() -> None:
     assert bias[0].item() < -0.5 * 50 * rate * 10  # the hot expert ran far below the sign rule's -0.03
     nothing = balance.adaptive_bias_update(bias, step, sign, torch.zeros(7, dtype=torch.long), rate)
     assert torch.equal(nothing[0], bias) and torch.equal(nothing[1], step)  # nothing routed: no move
+
+
+def test_bias_rate_scale_follows_the_lr_after_its_warm_up() -> None:
+    """constant: always 1; lr: 1 through the warm-up (steps 0..w-1), then lr / base_lr."""
+    assert balance.bias_rate_scale("constant", 500, 1e-3, 1e-2, 50) == 1.0
+    assert balance.bias_rate_scale("lr", 49, 9.8e-3, 1e-2, 50) == 1.0
+    assert balance.bias_rate_scale("lr", 50, 1e-2, 1e-2, 50) == 1.0
+    assert balance.bias_rate_scale("lr", 599, 1e-3, 1e-2, 50) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="bias_rate_schedule='step'"):
+        balance.bias_rate_scale("step", 100, 1e-3, 1e-2, 50)

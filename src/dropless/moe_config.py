@@ -20,6 +20,7 @@ PRECISIONS = ("bf16", "mxfp8", "fp8_blockwise", "nvfp4", "mxfp4")
 PRECISION_WIDTH_BLOCK = {"mxfp8": 32, "fp8_blockwise": 128, "nvfp4": 16, "mxfp4": 32}
 STRATEGIES = ("token_choice", "expert_choice", "expert_threshold", "hash", "forced_balance")
 BIAS_RULES = ("sign", "proportional", "adaptive")  # loss-free bias rules (layers/balance.py bias_update)
+BIAS_RATE_SCHEDULES = ("constant", "lr")  # how the bias step u changes over the run (balance.bias_rate_scale)
 
 
 @dataclass
@@ -129,6 +130,10 @@ class BalanceConfig:
     # that starts at u, grows while an expert's violation keeps its sign and halves when it flips
     # (layers/balance.py bias_update, adaptive_bias_update)
     bias_update_rule: str = "sign"
+    # constant: u all run long; lr: u times lr(step) / lr once the lr's warm-up is over, so the bias
+    # settles as the lr decays instead of pushing tokens across margins at full step while the model
+    # converges (DeepSeek-V3 stops its bias updates for the last part of training; this decays them)
+    bias_rate_schedule: str = "constant"
     # warm start: the first n optimizer steps set the bias by quantile balancing (outright, each
     # step), then bias_update_rule takes over from there (0 = off; needs bias_update_rate > 0)
     bias_warm_start_steps: int = 0
@@ -147,6 +152,10 @@ class BalanceConfig:
             _fail(f"{prefix}.quantile_balance", self.quantile_balance,
                   "and bias_update_rate > 0 both write the expert bias; choose one")
         _choice(f"{prefix}.bias_update_rule", self.bias_update_rule, BIAS_RULES)
+        _choice(f"{prefix}.bias_rate_schedule", self.bias_rate_schedule, BIAS_RATE_SCHEDULES)
+        if self.bias_rate_schedule != "constant" and not self.bias_update_rate > 0:
+            _fail(f"{prefix}.bias_rate_schedule", self.bias_rate_schedule,
+                  "needs bias_update_rate > 0: it scales that step")
         w = self.bias_warm_start_steps
         if not isinstance(w, int) or isinstance(w, bool) or w < 0:
             _fail(f"{prefix}.bias_warm_start_steps", w, "must be an integer >= 0 (0 = off)")

@@ -24,6 +24,11 @@ RULES = {
                  "model.moe.balance.bias_update_rule=adaptive"),
     "quantile_ema": ("model.moe.router.use_expert_bias=true", "model.moe.balance.quantile_balance=true",
                      "model.moe.balance.quantile_momentum=0.75"),
+    # the step decays with the lr after its 2 warm-up steps (balance.bias_rate_scale)
+    "adaptive_lr": ("model.moe.router.use_expert_bias=true", "model.moe.balance.bias_update_rate=0.01",
+                    "model.moe.balance.bias_update_rule=adaptive", "model.moe.balance.bias_rate_schedule=lr"),
+    "sign_lr": ("model.moe.router.use_expert_bias=true", "model.moe.balance.bias_update_rate=0.01",
+                "model.moe.balance.bias_rate_schedule=lr"),
     # two quantile steps, then the sign rule
     "warm_start": ("model.moe.router.use_expert_bias=true", "model.moe.balance.bias_update_rate=0.01",
                    "model.moe.balance.bias_warm_start_steps=2"),
@@ -49,13 +54,17 @@ def capture_step(trainer: Trainer) -> dict:
 def test_a_step_moves_the_bias_by_the_rule_without_a_host_read(tmp_path: Path, rule: str) -> None:
     trainer = Trainer(tiny(*RULES[rule]), tmp_path)
     seen = capture_step(trainer)
-    bal = trainer.cfg.model.moe.balance
-    for step in range(4):  # from a nonzero bias: the EMA's and the rules' first term matters
+    bal, t = trainer.cfg.model.moe.balance, trainer.cfg.train
+    scales = []
+    for step in range(5):  # from a nonzero bias: the EMA's and the rules' first term matters
         before = [layer.router.expert_bias.clone() for layer in trainer.health.layers]
         state = [(layer.router.bias_step_E.clone(), layer.router.bias_sign_E.clone())
-                 for layer in trainer.health.layers] if rule == "adaptive" else None
+                 for layer in trainer.health.layers] if bal.bias_update_rule == "adaptive" else None
         with forbid_host_sync("host read in a training step"):
             trainer.train_step(step)
+        lr = trainer.optimizer.param_groups[0]["lr"]
+        scales.append(balance.bias_rate_scale(bal.bias_rate_schedule, step, lr, t.lr, t.warmup_steps))
+        rate = bal.bias_update_rate * scales[-1]
         for i, layer in enumerate(trainer.health.layers):
             quantile = rule == "quantile_ema" or step < bal.bias_warm_start_steps
             assert bool(seen["quantile"]) == quantile  # the layers computed the proposals iff needed
@@ -63,15 +72,18 @@ def test_a_step_moves_the_bias_by_the_rule_without_a_host_read(tmp_path: Path, r
                 q = torch.stack([m[i] for m in seen["quantile"]]).mean(0)  # one rank: the micro mean
                 want = balance.quantile_step(before[i], q, bal.quantile_momentum)  # 0 in the warm start
             elif state is not None:
-                want, step_E, sign_E = balance.adaptive_bias_update(
-                    before[i], *state[i], seen["counts_LE"][i], bal.bias_update_rate)
+                want, step_E, sign_E = balance.adaptive_bias_update(before[i], *state[i], seen["counts_LE"][i], rate)
                 assert torch.equal(layer.router.bias_step_E, step_E) and torch.equal(layer.router.bias_sign_E, sign_E)
             else:
-                want = balance.bias_update(before[i], seen["counts_LE"][i], bal.bias_update_rate,
-                                           bal.bias_update_rule)
+                want = balance.bias_update(before[i], seen["counts_LE"][i], rate, bal.bias_update_rule)
             # the same functions on the same tensors: bit for bit
             assert torch.equal(layer.router.expert_bias, want), (rule, step, i)
             assert not torch.equal(layer.router.expert_bias, before[i])  # it did move
+    # the lr schedule: full steps through the warm-up, then smaller ones as the lr decays
+    if bal.bias_rate_schedule == "lr":
+        assert scales[:t.warmup_steps] == [1.0] * t.warmup_steps and 0 < scales[-1] < 1
+    else:
+        assert scales == [1.0] * 5
 
 
 @pytest.mark.slow  # two short trainings and a resume (~30 s on a quiet 2-core machine)

@@ -12,9 +12,12 @@ Trains the `tiny` preset once per method, same seed, data and steps, back to bac
     bias_prop     loss-free bias, proportional rule (step u * relative violation), u = 0.02
     bias_adaptive loss-free bias, adaptive rule: the sign rule with a per-expert step from u = 1e-3
                   that grows 1.2x while the sign repeats and halves when it flips (in [u/10, 50u])
+    bias_adaptive_lr  the adaptive rule with the step decaying as the lr does after its warm-up
+                  (balance.bias_rate_schedule = "lr")
     bias_warm     loss-free bias, sign rule u = 1e-3 after a 50-step quantile warm start
     bias_warm_prop  the proportional rule (u = 0.02) after a 50-step quantile warm start
     bias_aux      loss-free bias (sign, u = 1e-3) plus the global aux loss (0.01): a blend
+    bias_adaptive_aux  the adaptive bias (u = 1e-3) plus the global aux loss (0.01): a blend
     quantile_aux  quantile balancing plus the global aux loss (0.01): a blend
     quantile_ema  quantile balancing damped: b <- 0.9 b + 0.1 q each step
     quantile_ema_aux  the damped quantile rule plus the global aux loss (0.01)
@@ -51,6 +54,9 @@ METHODS: dict[str, list[str]] = {
                   "model.moe.balance.bias_update_rule=proportional", "model.moe.balance.bias_update_rate=0.02"],
     "bias_adaptive": ["model.moe.balance.aux_loss_coeff=0", "model.moe.router.use_expert_bias=true",
                       "model.moe.balance.bias_update_rate=0.001", "model.moe.balance.bias_update_rule=adaptive"],
+    "bias_adaptive_lr": ["model.moe.balance.aux_loss_coeff=0", "model.moe.router.use_expert_bias=true",
+                         "model.moe.balance.bias_update_rate=0.001", "model.moe.balance.bias_update_rule=adaptive",
+                         "model.moe.balance.bias_rate_schedule=lr"],
     "bias_warm": ["model.moe.balance.aux_loss_coeff=0", "model.moe.router.use_expert_bias=true",
                   "model.moe.balance.bias_update_rate=0.001", "model.moe.balance.bias_warm_start_steps=50"],
     "bias_warm_prop": ["model.moe.balance.aux_loss_coeff=0", "model.moe.router.use_expert_bias=true",
@@ -58,6 +64,9 @@ METHODS: dict[str, list[str]] = {
                        "model.moe.balance.bias_warm_start_steps=50"],
     "bias_aux": ["model.moe.balance.aux_loss_coeff=0", "model.moe.router.use_expert_bias=true",
                  "model.moe.balance.bias_update_rate=0.001", "model.moe.balance.global_aux_loss_coeff=0.01"],
+    "bias_adaptive_aux": ["model.moe.balance.aux_loss_coeff=0", "model.moe.router.use_expert_bias=true",
+                          "model.moe.balance.bias_update_rate=0.001", "model.moe.balance.bias_update_rule=adaptive",
+                          "model.moe.balance.global_aux_loss_coeff=0.01"],
     "quantile_aux": ["model.moe.balance.aux_loss_coeff=0", "model.moe.router.use_expert_bias=true",
                      "model.moe.balance.quantile_balance=true", "model.moe.balance.global_aux_loss_coeff=0.01"],
     "quantile_ema_aux": ["model.moe.balance.aux_loss_coeff=0", "model.moe.router.use_expert_bias=true",

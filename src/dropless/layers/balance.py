@@ -97,6 +97,17 @@ def bias_update(bias_E: torch.Tensor, counts_E: torch.Tensor, rate: float, rule:
                      "state: adaptive_bias_update)")
 
 
+def bias_rate_scale(schedule: str, step: int, lr: float, base_lr: float, warmup_steps: int) -> float:
+    """The factor on the bias step u at optimizer step `step` (balance.bias_rate_schedule).
+    constant: 1. lr: 1 during the lr's warm-up (the router moves fastest then, and the bias must keep
+    up), then lr / base_lr, so the bias step decays with the lr's schedule (cosine to min_lr_ratio)."""
+    if schedule == "constant" or step < warmup_steps or base_lr <= 0:
+        return 1.0
+    if schedule == "lr":
+        return lr / base_lr
+    raise ValueError(f"bias_rate_schedule={schedule!r}: expected 'constant' or 'lr'")
+
+
 # The adaptive rule's constants (Rprop's: Riedmiller & Braun 1993). The step grows 1.2x per step while
 # an expert stays on one side of the mean, so a 1e-3 step reaches 0.04 within 20 steps of a steady
 # drift (the tiny preset's softmax router needed |b| of 0.2-0.6 within its first hundred steps); it

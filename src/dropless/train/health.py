@@ -143,10 +143,12 @@ class TrainHealth:
         self.begin_step(log_step, self._step)
 
     @torch.no_grad()
-    def end_step(self, skip: torch.Tensor | None = None, nonfinite: torch.Tensor | None = None) -> None:
+    def end_step(self, skip: torch.Tensor | None = None, nonfinite: torch.Tensor | None = None,
+                 rate_scale: float = 1.0) -> None:
         """After the optimizer step: reduce counts over ranks, apply the buffer rules, close the step.
         `skip` (device bool): the step was not applied, so no buffer moves (module note);
-        `nonfinite` (device bool): it was skipped for a non-finite loss or gradient norm."""
+        `nonfinite` (device bool): it was skipped for a non-finite loss or gradient norm;
+        `rate_scale`: the factor on the loss-free bias step this step (balance.bias_rate_scale)."""
         if not self.layers:
             return
         self.reduce(self.acc.step_counts_LE, "sum")
@@ -156,15 +158,16 @@ class TrainHealth:
 
         bal = self.cfg.balance
         if bal.bias_update_rate > 0 and not self._warm:
+            rate = bal.bias_update_rate * rate_scale
             for i, layer in enumerate(self.layers):
                 r = layer.router
                 bias = r.expert_bias
                 if bal.bias_update_rule == "adaptive":
                     new, step, sign = balance.adaptive_bias_update(
-                        bias, r.bias_step_E, r.bias_sign_E, self.acc.step_counts_LE[i], bal.bias_update_rate)
+                        bias, r.bias_step_E, r.bias_sign_E, self.acc.step_counts_LE[i], rate)
                     r.set_adaptive(keep(r.bias_step_E, step), keep(r.bias_sign_E, sign))
                 else:
-                    new = balance.bias_update(bias, self.acc.step_counts_LE[i], bal.bias_update_rate,
+                    new = balance.bias_update(bias, self.acc.step_counts_LE[i], rate,
                                               bal.bias_update_rule)
                 r.set_bias(keep(bias, new))
         if self._quantile:

@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from ..config import RunConfig, save_config, to_dict
 from ..distributed import parallelize as par
+from ..layers import balance
 from ..distributed.watch import build_watch, watch_step
 from ..model import MoEModel
 from . import checkpoint as ckpt
@@ -294,7 +295,9 @@ class Trainer:
         skip = bad if invalid is None else bad | invalid
         step_unless(self.optimizer, skip)
         self.optimizer.zero_grad(set_to_none=True)
-        self.health.end_step(skip, nonfinite=bad)
+        bal = self.cfg.model.moe.balance
+        self.health.end_step(skip, nonfinite=bad, rate_scale=balance.bias_rate_scale(
+            bal.bias_rate_schedule, step, lr, t.lr, t.warmup_steps))
         return sums, grad_norm
 
     def _forward_backward(self, step: int, log_step: bool) -> tuple[StepLosses, torch.Tensor, torch.Tensor]:
