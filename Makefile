@@ -44,7 +44,7 @@ ISA_TESTS += tests/test_recompute.py tests/test_routing_norm_topk.py tests/serve
 ISA_TESTS += tests/test_hf_parity.py tests/test_hf_attention.py tests/test_hf_deepseek.py tests/test_hf_upcycle.py
 ISA_TESTS += tests/test_lean_experts.py
 ISA_TESTS += tests/distributed/test_ep_spill.py tests/distributed/test_ep_adaptive.py tests/distributed/test_ep_replicas.py
-ISA_TESTS += tests/distributed/test_ep_overlap.py
+ISA_TESTS += tests/distributed/test_ep_overlap.py tests/distributed/test_knobs_ep.py tests/train/test_bias_rules.py
 ISA_SETTINGS ?= AVX512 AVX2
 
 test-isa: $(STAMP)
