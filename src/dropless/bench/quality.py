@@ -10,7 +10,7 @@ global MaxVio (worst layer, mean of the last 5 logged steps) and the val loss re
 row. Variants are overrides of the preset, derived from its own shape (E experts, top-k, width f,
 model width d), so that they stay meaningful when the preset changes. Every row but `default` starts
 from the preset's plain MoE: the quality knobs of KNOBS_OFF at their off values, so a knob the preset
-turns on (the `tiny` preset's identity experts) is measured as one change against the same `moe` row:
+turns on (identity experts, say) is still measured as one change against the same `moe` row:
     default        the preset as it is
     dense          every layer a dense MLP of width k*f (+ shared width): the same active parameters
     moe            the preset's plain MoE (KNOBS_OFF)

@@ -101,11 +101,11 @@ def bias_rate_scale(schedule: str, step: int, lr: float, base_lr: float, warmup_
     """The factor on the bias step u at optimizer step `step` (balance.bias_rate_schedule).
     constant: 1. lr: 1 during the lr's warm-up (the router moves fastest then, and the bias must keep
     up), then lr / base_lr, so the bias step decays with the lr's schedule (cosine to min_lr_ratio)."""
+    if schedule not in ("constant", "lr"):
+        raise ValueError(f"bias_rate_schedule={schedule!r}: expected 'constant' or 'lr'")
     if schedule == "constant" or step < warmup_steps or base_lr <= 0:
         return 1.0
-    if schedule == "lr":
-        return lr / base_lr
-    raise ValueError(f"bias_rate_schedule={schedule!r}: expected 'constant' or 'lr'")
+    return lr / base_lr
 
 
 # The adaptive rule's constants (Rprop's: Riedmiller & Braun 1993). The step grows 1.2x per step while

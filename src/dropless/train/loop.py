@@ -295,9 +295,8 @@ class Trainer:
         skip = bad if invalid is None else bad | invalid
         step_unless(self.optimizer, skip)
         self.optimizer.zero_grad(set_to_none=True)
-        bal = self.cfg.model.moe.balance
         self.health.end_step(skip, nonfinite=bad, rate_scale=balance.bias_rate_scale(
-            bal.bias_rate_schedule, step, lr, t.lr, t.warmup_steps))
+            self.cfg.model.moe.balance.bias_rate_schedule, step, lr, t.lr, t.warmup_steps))
         return sums, grad_norm
 
     def _forward_backward(self, step: int, log_step: bool) -> tuple[StepLosses, torch.Tensor, torch.Tensor]:
