@@ -101,3 +101,49 @@ def test_rows_start_from_the_plain_moe_whatever_knob_the_preset_turns_on() -> No
     assert cfg["moe"] == load_config(preset_path("tiny"), bench.KNOBS_OFF).model
     assert (cfg["identity"].moe.n_identity_experts, cfg["identity"].mtp_depth) == (2, 0)
     assert (cfg["mtp1"].moe.n_identity_experts, cfg["mtp1"].mtp_depth) == (0, 1)
+
+
+def test_bench_quality_seeds(tmp_path: Path, capsys) -> None:
+    """--seeds: every variant once per seed (seed-major), each run's config carries its seed, and the
+    table shows each variant's mean and range with vs_dense paired per seed."""
+    out, js = tmp_path / "runs", tmp_path / "q.json"
+    argv = ["--steps", "2", "--variants", "dense,moe", "--seeds", "7,8", "--out", str(out), "--json", str(js)]
+    for item in SMALL:
+        argv += ["--set", item]
+    assert bench.main(argv) == 0
+    rows = json.loads(js.read_text())
+    assert [(r["variant"], r["seed"]) for r in rows] == [("dense", 7), ("moe", 7), ("dense", 8), ("moe", 8)]
+    for r in rows:
+        run = out / f"{r['variant']}-s{r['seed']}"
+        assert load_config(run / "config.toml").train.seed == r["seed"]
+        metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert r["val_loss"] == [m["val_loss"] for m in metrics if "val_loss" in m][-1]
+    assert rows[0]["val_loss"] != rows[2]["val_loss"]  # the seed reaches the run
+    printed = capsys.readouterr().out.splitlines()
+    table = printed[next(i for i, line in enumerate(printed) if line.startswith("variant")):]
+    assert table[0].split() == bench.SEED_COLUMNS
+    moe = table[3].split()
+    vals = [r["val_loss"] for r in rows if r["variant"] == "moe"]
+    rel = [100 * (rows[i + 1]["val_loss"] / rows[i]["val_loss"] - 1) for i in (0, 2)]
+    assert moe[:5] == ["moe", "2", f"{statistics.mean(vals):.4f}", f"{min(vals):.4f}..{max(vals):.4f}",
+                       f"{statistics.mean(rel):+.2f}%"]
+    assert moe[5] == f"{min(rel):+.2f}..{max(rel):+.2f}%"
+
+
+def test_table_pairs_each_run_with_the_dense_run_of_its_seed() -> None:
+    """vs_dense is the mean of per-seed ratios, not the ratio of means (here +0.00%, not +3.33%), and a
+    run with no dense run of its seed is left out of the ratio."""
+    row = lambda v, seed, val: {"variant": v, "seed": seed, "val_loss": val, "active_M": 1.0,  # noqa: E731
+                                "total_M": 2.0, "tokens_per_s": 10.0, "maxvio_global": None, "wall_s": 1.0}
+    rows = [row("dense", 1, 1.0), row("dense", 2, 2.0), row("moe", 1, 0.9), row("moe", 2, 2.2), row("moe", 3, 5.0)]
+    lines = bench.table(rows).splitlines()
+    moe = lines[3].split()
+    assert moe[:6] == ["moe", "3", f"{(0.9 + 2.2 + 5.0) / 3:.4f}", "0.9000..5.0000", "+0.00%", "-10.00..+10.00%"]
+    single = bench.table([{**r, "seed": None} for r in rows[:1]] + [{**rows[2], "seed": None}]).splitlines()
+    assert single[0].split() == bench.COLUMNS and single[3].split()[2] == "-10.00%"
+
+
+@pytest.mark.parametrize("text", ["", "1,x", "3,3", "-1"])
+def test_bench_quality_bad_seeds(text: str) -> None:
+    with pytest.raises(ValueError, match="--seeds"):
+        bench.parse_seeds(text)

@@ -1,7 +1,7 @@
 """`dropless bench quality`: what each design knob does to quality, one short training per variant.
 
-    dropless bench quality [--steps N] [--variants a,b,...] [--config PRESET] [--set a.b=v ...]
-                           [--json FILE] [--out DIR]
+    dropless bench quality [--steps N] [--variants a,b,...] [--seeds S1,S2,...] [--config PRESET]
+                           [--set a.b=v ...] [--json FILE] [--out DIR]
     dropless bench quality --table A.json [B.json ...]     # one table from saved rows (no training)
 
 Trains each variant of the preset (default `tiny`) for the same steps, tokens and seed, back to back,
@@ -26,6 +26,10 @@ turns on (identity experts, say) is still measured as one change against the sam
     bal_<method>   the preset with a balancing method of `dropless bench balance` (aux_global, bias,
                    quantile, none, aux_micro): the balancing rows
 Overrides given with --set apply to every variant first; a variant's own overrides win over them.
+--seeds trains every variant once per seed (train.seed: the initial weights and the batch order) and
+tabulates each variant's mean, its range, and vs_dense as the mean (and range) of the per-seed ratios
+to the dense run of the same seed: one 600-step run of the tiny preset moves by ~3% with the seed
+alone (docs/quality.md), so one seed cannot rank variants closer than that.
 Whole trainings cannot be interleaved like kernel timings: tokens/s of different rows are only
 comparable on a quiet machine.
 """
@@ -55,6 +59,9 @@ MUON_LR, ADAMW_LR = "1e-2", "1e-3"
 KNOBS_OFF = ["model.mtp_depth=0", "model.moe.n_identity_experts=0", "model.moe.latent_dim=0",
              "model.moe.latent_norm=false", "model.block=sequential"]
 COLUMNS = ["variant", "val_loss", "vs_dense", "active_M", "total_M", "tokens_per_s", "maxvio_global", "wall_s"]
+# with more than one seed per variant: means, the val range, and the range of the paired ratios
+SEED_COLUMNS = ["variant", "seeds", "val_loss", "val_range", "vs_dense", "vs_dense_range", "active_M",
+                "total_M", "tokens_per_s", "maxvio_global", "wall_s"]
 
 
 def variants(cfg: RunConfig) -> dict[str, list[str]]:
@@ -104,17 +111,41 @@ def summarize(run_dir: Path, summary: dict, last: int = 5) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    dense = next((r["val_loss"] for r in rows if r["variant"] == "dense"), None)
-    shown = []
+    """One line per variant. A variant run at several seeds shows its mean val loss and range; vs_dense
+    pairs each run with the dense run of the same seed (the same batches), then averages the ratios.
+    Rows without a seed (saved before --seeds existed) pair with a dense row without one."""
+    dense = {r.get("seed"): r["val_loss"] for r in rows if r["variant"] == "dense"}
+    groups: dict[str, list[dict]] = {}
     for r in rows:
-        s = {**r, "val_loss": f"{r['val_loss']:.4f}", "active_M": f"{r['active_M']:.2f}",
-             "total_M": f"{r['total_M']:.2f}", "tokens_per_s": f"{r['tokens_per_s']:,.0f}",
-             "wall_s": f"{r['wall_s']:.0f}"}
-        s["vs_dense"] = f"{100 * (r['val_loss'] / dense - 1):+.2f}%" if dense else None
-        if r.get("maxvio_global") is not None:
-            s["maxvio_global"] = f"{r['maxvio_global']:.2f}"
+        groups.setdefault(r["variant"], []).append(r)
+    multi = any(len(g) > 1 for g in groups.values())
+    shown = []
+    for name, g in groups.items():
+        vals = [r["val_loss"] for r in g]
+        rel = [100 * (r["val_loss"] / dense[r.get("seed")] - 1) for r in g if r.get("seed") in dense]
+        maxvio = [r["maxvio_global"] for r in g if r.get("maxvio_global") is not None]
+        s = {"variant": name, "seeds": str(len(g)), "val_loss": f"{statistics.mean(vals):.4f}",
+             "val_range": f"{min(vals):.4f}..{max(vals):.4f}",
+             "vs_dense": f"{statistics.mean(rel):+.2f}%" if rel else None,
+             "vs_dense_range": f"{min(rel):+.2f}..{max(rel):+.2f}%" if rel else None,
+             "active_M": f"{statistics.mean(r['active_M'] for r in g):.2f}",
+             "total_M": f"{statistics.mean(r['total_M'] for r in g):.2f}",
+             "tokens_per_s": f"{statistics.mean(r['tokens_per_s'] for r in g):,.0f}",
+             "maxvio_global": f"{statistics.mean(maxvio):.2f}" if maxvio else None,
+             "wall_s": f"{sum(r['wall_s'] for r in g):.0f}"}
         shown.append(s)
-    return format_table(shown, COLUMNS)
+    return format_table(shown, SEED_COLUMNS if multi else COLUMNS)
+
+
+def parse_seeds(text: str) -> list[int]:
+    """--seeds: distinct non-negative integers, comma-separated."""
+    try:
+        seeds = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--seeds={text!r}: must be comma-separated integers") from None
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds={text!r}: must name distinct integers >= 0")
+    return seeds
 
 
 def parse_variants(text: str, known: dict[str, list[str]]) -> list[str]:
@@ -141,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="tiny", help="the preset whose variants to train (default tiny)")
     p.add_argument("--variants", default="dense,moe,moe_adamw,latent,identity,parallel,mtp1,top1,fine,"
                                          "bal_bias,bal_bias_adaptive,bal_quantile")
-    p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument("--seeds", default=None, metavar="S1,S2,...",
+                   help="train every variant once per seed and tabulate means (default: the preset's seed)")
+    p.add_argument("--json", default=None, help="write the rows here (one per variant and seed)")
     p.add_argument("--out", default=None, help="folder for the runs (default runs/bench-quality-<time>)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="a.b=value")
     p.add_argument("--table", nargs="+", default=None, metavar="JSON",
@@ -159,7 +192,11 @@ def main(argv: list[str] | None = None) -> int:
         known = variants(base)
         names = parse_variants(args.variants, known)
         common = schedule(base, args.steps) + list(args.overrides)
-        cfgs = {v: load_config(preset, common + known[v]) for v in names}  # every config checked first
+        seeds = parse_seeds(args.seeds) if args.seeds is not None else [base.train.seed]
+        # seed-major: a bench that dies keeps whole seeds, every variant paired with its dense run
+        runs = [(v, s, f"{v}-s{s}" if args.seeds is not None else v) for s in seeds for v in names]
+        cfgs = {d: load_config(preset, common + known[v] + [f"train.seed={s}"])  # every config checked first
+                for v, s, d in runs}
     except (ValueError, FileNotFoundError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
@@ -167,17 +204,17 @@ def main(argv: list[str] | None = None) -> int:
     from ..train.loop import Trainer
 
     rows = []
-    for i, name in enumerate(names):
-        print(f"[{i + 1}/{len(names)}] {name}: {args.steps} steps ...", file=sys.stderr, flush=True)
+    for i, (name, seed, folder) in enumerate(runs):
+        print(f"[{i + 1}/{len(runs)}] {name}, seed {seed}: {args.steps} steps ...", file=sys.stderr, flush=True)
         start = time.perf_counter()
-        summary = Trainer(cfgs[name], out / name).fit()
-        row = {"variant": name, **summarize(out / name, summary), "wall_s": time.perf_counter() - start,
-               "steps": args.steps, "overrides": known[name]}
+        summary = Trainer(cfgs[folder], out / folder).fit()
+        row = {"variant": name, "seed": seed, **summarize(out / folder, summary),
+               "wall_s": time.perf_counter() - start, "steps": args.steps, "overrides": known[name]}
         print(f"    val_loss {row['val_loss']:.4f}  {row['tokens_per_s']:,.0f} tokens/s", file=sys.stderr)
         rows.append(row)
         if args.json:  # after every row: a long bench that dies keeps what it measured
             write_json(Path(args.json), rows)
     print(table(rows))
-    print(f"(--steps {args.steps}, preset {args.config}; sequential whole trainings on one machine; "
-          "MaxVio: worst layer, mean of the last 5 logged steps)")
+    print(f"(--steps {args.steps}, preset {args.config}, seeds {','.join(map(str, seeds))}; sequential whole "
+          "trainings on one machine; MaxVio: worst layer, mean of the last 5 logged steps)")
     return 0
