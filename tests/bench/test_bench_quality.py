@@ -37,12 +37,13 @@ def test_bench_quality_rows(tmp_path: Path, capsys) -> None:
         counts = MoEModel(cfg.model).num_params()
         assert (r["active_M"], r["total_M"]) == (counts["active"] / 1e6, counts["total"] / 1e6)
     dense, fine = (load_config(out / v / "config.toml").model for v in ("dense", "fine"))
+    E = load_config(preset_path("tiny")).model.moe.num_experts
     # the dense row is all dense at the MoE's active width; fine-grained doubles E and k, halves f
     assert dense.n_dense_layers == dense.n_layers and dense.d_ff_dense == 2 * 32
-    assert (fine.moe.num_experts, fine.moe.top_k, fine.moe.d_expert) == (16, 4, 16)
+    assert (fine.moe.num_experts, fine.moe.top_k, fine.moe.d_expert) == (2 * E, 4, 16)
     assert rows[0]["maxvio_global"] is None and rows[1]["maxvio_global"] > 0
     # equal active parameters up to the routers (3 MoE layers of a [d, 2E] router)
-    assert round(1e6 * (rows[1]["active_M"] - rows[0]["active_M"])) == 3 * 32 * 16
+    assert round(1e6 * (rows[1]["active_M"] - rows[0]["active_M"])) == 3 * 32 * 2 * E
     routing = [json.loads(line) for line in (out / "fine" / "routing.jsonl").read_text().splitlines()]
     worst = [max(max(layer["counts"]) / statistics.mean(layer["counts"]) - 1 for layer in row["layers"])
              for row in routing[-5:]]
@@ -99,7 +100,7 @@ def test_rows_start_from_the_plain_moe_whatever_knob_the_preset_turns_on() -> No
     assert (cfg["default"].moe.n_identity_experts, cfg["default"].mtp_depth) == (2, 1)
     assert (cfg["moe"].moe.n_identity_experts, cfg["moe"].mtp_depth) == (0, 0)
     assert cfg["moe"] == load_config(preset_path("tiny"), bench.KNOBS_OFF).model
-    assert (cfg["identity"].moe.n_identity_experts, cfg["identity"].mtp_depth) == (2, 0)
+    assert (cfg["identity"].moe.n_identity_experts, cfg["identity"].mtp_depth) == (preset.model.moe.num_experts // 4, 0)
     assert (cfg["mtp1"].moe.n_identity_experts, cfg["mtp1"].mtp_depth) == (0, 1)
 
 

@@ -53,7 +53,7 @@ from .timing import format_table
 
 # each optimizer's train.lr for its row when it is not the preset's own: the best of each optimizer's
 # 600-step grid on the tiny preset (docs/quality.md "The learning-rate grids")
-MUON_LR, ADAMW_LR = "1e-2", "1e-3"
+MUON_LR, ADAMW_LR = "5e-3", "1e-3"
 # the model knobs of issue 14 at their off values (config.py's defaults): the base of every row but
 # `default`. The preset's shape, router, balancing and optimizer are kept.
 KNOBS_OFF = ["model.mtp_depth=0", "model.moe.n_identity_experts=0", "model.moe.latent_dim=0",
