@@ -48,6 +48,10 @@ def test_bench_quality_rows(tmp_path: Path, capsys) -> None:
     worst = [max(max(layer["counts"]) / statistics.mean(layer["counts"]) - 1 for layer in row["layers"])
              for row in routing[-5:]]
     assert rows[1]["maxvio_global"] == pytest.approx(statistics.mean(worst), rel=1e-6)
+    summed = [[sum(c) for c in zip(*(row["layers"][i]["counts"] for row in routing[-5:]))]
+              for i in range(len(routing[0]["layers"]))]
+    assert rows[1]["maxvio_span"] == pytest.approx(max(max(c) / statistics.mean(c) - 1 for c in summed))
+    assert rows[0]["maxvio_span"] is None
     printed = capsys.readouterr().out.splitlines()  # the trainer prints its placement line first
     table = printed[next(i for i, line in enumerate(printed) if line.startswith("variant")):]
     assert table[0].split()[:3] == ["variant", "val_loss", "vs_dense"]
@@ -79,14 +83,21 @@ def test_bench_quality_bad_variant(tmp_path: Path) -> None:
 
 
 def test_summarize_last_rows(tmp_path: Path) -> None:
-    """MaxVio: worst layer of each of the last 5 routing rows, averaged; the rest from the summary."""
-    layers = lambda a, b: [{"maxvio_global": a}, {"maxvio_global": b}]  # noqa: E731
-    rows = [{"step": i, "layers": layers(10.0 * i, 0.5)} for i in range(5)]
-    rows += [{"step": 5 + i, "layers": layers(0.1 * i, 0.25)} for i in range(5)]
+    """MaxVio: worst layer of each of the last 5 routing rows, averaged; the span MaxVio from the last 5
+    rows' counts summed per layer (worst layer); the rest from the summary."""
+    layers = lambda a, b, ca, cb: [{"maxvio_global": a, "counts": ca},  # noqa: E731
+                                   {"maxvio_global": b, "counts": cb}]
+    rows = [{"step": i, "layers": layers(10.0 * i, 0.5, [100, 0, 0], [0, 0, 100])} for i in range(5)]
+    # both layers swap their busiest expert from row to row, so the sums are flatter than any row
+    swing = [[40, 20, 30], [20, 40, 30]]
+    rows += [{"step": 5 + i, "layers": layers(0.1 * i, 0.25, [45, 20, 25] if i % 2 else [20, 45, 25],
+                                              swing[i % 2])} for i in range(5)]
     (tmp_path / "routing.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     summary = {"final_val_loss": 1.5, "params_active": 2_000_000, "params_total": 5_000_000, "tokens_per_s": 9.0}
     got = bench.summarize(tmp_path, summary)
     assert got["maxvio_global"] == pytest.approx(statistics.mean([0.25, 0.25, 0.25, 0.3, 0.4]))
+    # the last 5 rows sum to [150, 175, 125] in layer 0 and [160, 140, 150] in layer 1 (means 150)
+    assert got["maxvio_span"] == pytest.approx(175 / 150 - 1)
     assert (got["val_loss"], got["active_M"], got["total_M"], got["tokens_per_s"]) == (1.5, 2.0, 5.0, 9.0)
 
 

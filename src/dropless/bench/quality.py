@@ -7,7 +7,10 @@
 Trains each variant of the preset (default `tiny`) for the same steps, tokens and seed, back to back,
 and tabulates the final validation loss (nats/byte), active and total parameters, tokens/s, the final
 global MaxVio (worst layer, mean of the last 5 logged steps) and the val loss relative to the `dense`
-row. Variants are overrides of the preset, derived from its own shape (E experts, top-k, width f,
+row. A logged step's global MaxVio is the worst of its log interval's steps, each over one step's
+batch, so it carries the batch-to-batch noise (which documents the batch holds); `maxvio_span` is the
+MaxVio of the counts summed over those same last 5 intervals (worst layer): the imbalance that
+persists across batches, the part that a bias rule, which only sees past steps, can remove. Variants are overrides of the preset, derived from its own shape (E experts, top-k, width f,
 model width d), so that they stay meaningful when the preset changes. Every row but `default` starts
 from the preset's plain MoE: the quality knobs of KNOBS_OFF at their off values, so a knob the preset
 turns on (identity experts, say) is still measured as one change against the same `moe` row:
@@ -58,10 +61,11 @@ MUON_LR, ADAMW_LR = "5e-3", "1e-3"
 # `default`. The preset's shape, router, balancing and optimizer are kept.
 KNOBS_OFF = ["model.mtp_depth=0", "model.moe.n_identity_experts=0", "model.moe.latent_dim=0",
              "model.moe.latent_norm=false", "model.block=sequential"]
-COLUMNS = ["variant", "val_loss", "vs_dense", "active_M", "total_M", "tokens_per_s", "maxvio_global", "wall_s"]
+COLUMNS = ["variant", "val_loss", "vs_dense", "active_M", "total_M", "tokens_per_s", "maxvio_global",
+           "maxvio_span", "wall_s"]
 # with more than one seed per variant: means, the val range, and the range of the paired ratios
 SEED_COLUMNS = ["variant", "seeds", "val_loss", "val_range", "vs_dense", "vs_dense_range", "active_M",
-                "total_M", "tokens_per_s", "maxvio_global", "wall_s"]
+                "total_M", "tokens_per_s", "maxvio_global", "maxvio_span", "wall_s"]
 
 
 def variants(cfg: RunConfig) -> dict[str, list[str]]:
@@ -105,9 +109,15 @@ def summarize(run_dir: Path, summary: dict, last: int = 5) -> dict:
     routing = read_jsonl(run_dir / "routing.jsonl")[-last:] if (run_dir / "routing.jsonl").exists() else []
     maxvio = (statistics.mean(max(layer["maxvio_global"] for layer in r["layers"]) for r in routing)
               if routing else None)
+    # the counts of the last intervals summed per layer, then the worst layer's MaxVio
+    span = None
+    if routing:
+        summed = [[sum(c) for c in zip(*(r["layers"][i]["counts"] for r in routing))]
+                  for i in range(len(routing[0]["layers"]))]
+        span = max(max(c) / (sum(c) / len(c)) - 1 if sum(c) else 0.0 for c in summed)
     return {"val_loss": summary["final_val_loss"], "active_M": summary["params_active"] / 1e6,
             "total_M": summary["params_total"] / 1e6, "tokens_per_s": summary["tokens_per_s"],
-            "maxvio_global": maxvio}
+            "maxvio_global": maxvio, "maxvio_span": span}
 
 
 def table(rows: list[dict]) -> str:
@@ -124,6 +134,7 @@ def table(rows: list[dict]) -> str:
         vals = [r["val_loss"] for r in g]
         rel = [100 * (r["val_loss"] / dense[r.get("seed")] - 1) for r in g if r.get("seed") in dense]
         maxvio = [r["maxvio_global"] for r in g if r.get("maxvio_global") is not None]
+        span = [r["maxvio_span"] for r in g if r.get("maxvio_span") is not None]
         s = {"variant": name, "seeds": str(len(g)), "val_loss": f"{statistics.mean(vals):.4f}",
              "val_range": f"{min(vals):.4f}..{max(vals):.4f}",
              "vs_dense": f"{statistics.mean(rel):+.2f}%" if rel else None,
@@ -132,6 +143,7 @@ def table(rows: list[dict]) -> str:
              "total_M": f"{statistics.mean(r['total_M'] for r in g):.2f}",
              "tokens_per_s": f"{statistics.mean(r['tokens_per_s'] for r in g):,.0f}",
              "maxvio_global": f"{statistics.mean(maxvio):.2f}" if maxvio else None,
+             "maxvio_span": f"{statistics.mean(span):.2f}" if span else None,
              "wall_s": f"{sum(r['wall_s'] for r in g):.0f}"}
         shown.append(s)
     return format_table(shown, SEED_COLUMNS if multi else COLUMNS)
@@ -216,5 +228,6 @@ def main(argv: list[str] | None = None) -> int:
             write_json(Path(args.json), rows)
     print(table(rows))
     print(f"(--steps {args.steps}, preset {args.config}, seeds {','.join(map(str, seeds))}; sequential whole "
-          "trainings on one machine; MaxVio: worst layer, mean of the last 5 logged steps)")
+          "trainings on one machine; MaxVio: worst layer, mean of the last 5 logged steps; "
+          "span: of their summed counts)")
     return 0
