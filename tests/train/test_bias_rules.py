@@ -32,6 +32,9 @@ RULES = {
     # two quantile steps, then the sign rule
     "warm_start": ("model.moe.router.use_expert_bias=true", "model.moe.balance.bias_update_rate=0.01",
                    "model.moe.balance.bias_warm_start_steps=2"),
+    # two quantile steps, then the adaptive rule from its initial step (bench balance bias_adaptive_warm)
+    "warm_start_adaptive": ("model.moe.router.use_expert_bias=true", "model.moe.balance.bias_update_rate=0.01",
+                            "model.moe.balance.bias_update_rule=adaptive", "model.moe.balance.bias_warm_start_steps=2"),
 }
 
 
@@ -71,6 +74,9 @@ def test_a_step_moves_the_bias_by_the_rule_without_a_host_read(tmp_path: Path, r
             if quantile:
                 q = torch.stack([m[i] for m in seen["quantile"]]).mean(0)  # one rank: the micro mean
                 want = balance.quantile_step(before[i], q, bal.quantile_momentum)  # 0 in the warm start
+                if state is not None:  # the adaptive rule's state waits: it starts fresh after the warm start
+                    assert torch.equal(layer.router.bias_step_E, state[i][0])
+                    assert torch.equal(layer.router.bias_sign_E, state[i][1])
             elif state is not None:
                 want, step_E, sign_E = balance.adaptive_bias_update(before[i], *state[i], seen["counts_LE"][i], rate)
                 assert torch.equal(layer.router.bias_step_E, step_E) and torch.equal(layer.router.bias_sign_E, sign_E)

@@ -16,6 +16,7 @@ Trains the `tiny` preset once per method, same seed, data and steps, back to bac
                   (balance.bias_rate_schedule = "lr")
     bias_warm     loss-free bias, sign rule u = 1e-3 after a 50-step quantile warm start
     bias_warm_prop  the proportional rule (u = 0.02) after a 50-step quantile warm start
+    bias_adaptive_warm  the adaptive rule (u = 1e-3) after a 50-step quantile warm start
     bias_aux      loss-free bias (sign, u = 1e-3) plus the global aux loss (0.01): a blend
     bias_adaptive_aux  the adaptive bias (u = 1e-3) plus the global aux loss (0.01): a blend
     quantile_aux  quantile balancing plus the global aux loss (0.01): a blend
@@ -62,6 +63,9 @@ METHODS: dict[str, list[str]] = {
     "bias_warm_prop": ["model.moe.balance.aux_loss_coeff=0", "model.moe.router.use_expert_bias=true",
                        "model.moe.balance.bias_update_rule=proportional", "model.moe.balance.bias_update_rate=0.02",
                        "model.moe.balance.bias_warm_start_steps=50"],
+    "bias_adaptive_warm": ["model.moe.balance.aux_loss_coeff=0", "model.moe.router.use_expert_bias=true",
+                           "model.moe.balance.bias_update_rate=0.001", "model.moe.balance.bias_update_rule=adaptive",
+                           "model.moe.balance.bias_warm_start_steps=50"],
     "bias_aux": ["model.moe.balance.aux_loss_coeff=0", "model.moe.router.use_expert_bias=true",
                  "model.moe.balance.bias_update_rate=0.001", "model.moe.balance.global_aux_loss_coeff=0.01"],
     "bias_adaptive_aux": ["model.moe.balance.aux_loss_coeff=0", "model.moe.router.use_expert_bias=true",
