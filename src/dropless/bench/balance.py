@@ -21,6 +21,7 @@ Trains the `tiny` preset once per method, same seed, data and steps, back to bac
     bias_adaptive_aux  the adaptive bias (u = 1e-3) plus the global aux loss (0.01): a blend
     quantile_aux  quantile balancing plus the global aux loss (0.01): a blend
     quantile_ema  quantile balancing damped: b <- 0.9 b + 0.1 q each step
+    quantile_half quantile balancing damped less: b <- 0.5 b + 0.5 q each step
     quantile_ema_aux  the damped quantile rule plus the global aux loss (0.01)
 Each step is 4 micro-batches of 4 sequences (the preset's 16 sequences per step), so micro-batch and
 global batch differ. Reports final validation loss, global and local MaxVio (worst layer, averaged over the last 20 logged
@@ -78,6 +79,8 @@ METHODS: dict[str, list[str]] = {
                          "model.moe.balance.global_aux_loss_coeff=0.01"],
     "quantile_ema": ["model.moe.balance.aux_loss_coeff=0", "model.moe.router.use_expert_bias=true",
                      "model.moe.balance.quantile_balance=true", "model.moe.balance.quantile_momentum=0.9"],
+    "quantile_half": ["model.moe.balance.aux_loss_coeff=0", "model.moe.router.use_expert_bias=true",
+                      "model.moe.balance.quantile_balance=true", "model.moe.balance.quantile_momentum=0.5"],
 }
 
 
