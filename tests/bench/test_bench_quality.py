@@ -52,6 +52,8 @@ def test_bench_quality_rows(tmp_path: Path, capsys) -> None:
               for i in range(len(routing[0]["layers"]))]
     assert rows[1]["maxvio_span"] == pytest.approx(max(max(c) / statistics.mean(c) - 1 for c in summed))
     assert rows[0]["maxvio_span"] is None
+    assert rows[1]["first_vio_0.5"] == next((row["step"] for row in routing
+                                             if max(layer["maxvio_global"] for layer in row["layers"]) <= 0.5), None)
     printed = capsys.readouterr().out.splitlines()  # the trainer prints its placement line first
     table = printed[next(i for i, line in enumerate(printed) if line.startswith("variant")):]
     assert table[0].split()[:3] == ["variant", "val_loss", "vs_dense"]
@@ -87,7 +89,7 @@ def test_summarize_last_rows(tmp_path: Path) -> None:
     rows' counts summed per layer (worst layer); the rest from the summary."""
     layers = lambda a, b, ca, cb: [{"maxvio_global": a, "counts": ca},  # noqa: E731
                                    {"maxvio_global": b, "counts": cb}]
-    rows = [{"step": i, "layers": layers(10.0 * i, 0.5, [100, 0, 0], [0, 0, 100])} for i in range(5)]
+    rows = [{"step": i, "layers": layers(10.0 * i + 0.6, 0.5, [100, 0, 0], [0, 0, 100])} for i in range(5)]
     # both layers swap their busiest expert from row to row, so the sums are flatter than any row
     swing = [[40, 20, 30], [20, 40, 30]]
     rows += [{"step": 5 + i, "layers": layers(0.1 * i, 0.25, [45, 20, 25] if i % 2 else [20, 45, 25],
@@ -98,6 +100,8 @@ def test_summarize_last_rows(tmp_path: Path) -> None:
     assert got["maxvio_global"] == pytest.approx(statistics.mean([0.25, 0.25, 0.25, 0.3, 0.4]))
     # the last 5 rows sum to [150, 175, 125] in layer 0 and [160, 140, 150] in layer 1 (means 150)
     assert got["maxvio_span"] == pytest.approx(175 / 150 - 1)
+    # the first row whose worst layer is at most 0.5 (both layers count): step 5
+    assert got["first_vio_0.5"] == 5
     assert (got["val_loss"], got["active_M"], got["total_M"], got["tokens_per_s"]) == (1.5, 2.0, 5.0, 9.0)
 
 
@@ -159,3 +163,17 @@ def test_table_pairs_each_run_with_the_dense_run_of_its_seed() -> None:
 def test_bench_quality_bad_seeds(text: str) -> None:
     with pytest.raises(ValueError, match="--seeds"):
         bench.parse_seeds(text)
+
+
+def test_table_shows_each_seeds_first_step_at_maxvio_half() -> None:
+    """first_vio_0.5 is listed per seed in run order ("never": not within the run); rows saved before
+    the column existed show nothing rather than "never"; the span MaxVio averages over seeds."""
+    row = lambda seed, first, span: {"variant": "moe", "seed": seed, "val_loss": 1.0, "active_M": 1.0,  # noqa: E731
+                                     "total_M": 2.0, "tokens_per_s": 10.0, "maxvio_global": 0.6,
+                                     "maxvio_span": span, "first_vio_0.5": first, "wall_s": 1.0}
+    cols = bench.SEED_COLUMNS
+    line = bench.table([row(1, 409, 0.1), row(2, None, 0.3)]).splitlines()[2].split()
+    assert line[cols.index("first_vio_0.5")] == "409/never" and line[cols.index("maxvio_span")] == "0.20"
+    old = {k: v for k, v in row(3, 5, 0.1).items() if k not in ("first_vio_0.5", "maxvio_span")}
+    line = bench.table([row(1, 409, 0.1), old]).splitlines()[2].split()
+    assert line[cols.index("maxvio_span")] == "0.10" and line[cols.index("first_vio_0.5")] == "-"
