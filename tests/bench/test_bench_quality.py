@@ -177,3 +177,17 @@ def test_table_shows_each_seeds_first_step_at_maxvio_half() -> None:
     old = {k: v for k, v in row(3, 5, 0.1).items() if k not in ("first_vio_0.5", "maxvio_span")}
     line = bench.table([row(1, 409, 0.1), old]).splitlines()[2].split()
     assert line[cols.index("maxvio_span")] == "0.10" and line[cols.index("first_vio_0.5")] == "-"
+
+
+def test_every_balancing_row_loads_and_the_session_10_rows_set_their_rules() -> None:
+    """Each `bal_<method>` row is a valid config of the preset (a bad override would fail the bench
+    only when its turn came, hours in); the two rules that met issue 14's targets are what they say."""
+    tiny = load_config(preset_path("tiny"))
+    rows = bench.variants(tiny)
+    cfgs = {n: load_config(preset_path("tiny"), sets).model.moe for n, sets in rows.items() if n.startswith("bal_")}
+    assert len(cfgs) >= 17
+    warm, half = cfgs["bal_bias_adaptive_warm"], cfgs["bal_quantile_half"]
+    assert (warm.balance.aux_loss_coeff, warm.balance.bias_update_rule, warm.balance.bias_update_rate,
+            warm.balance.bias_warm_start_steps, warm.router.use_expert_bias) == (0.0, "adaptive", 1e-3, 50, True)
+    assert (half.balance.aux_loss_coeff, half.balance.quantile_balance, half.balance.quantile_momentum,
+            half.router.use_expert_bias) == (0.0, True, 0.5, True)
