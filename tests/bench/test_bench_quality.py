@@ -52,6 +52,10 @@ def test_bench_quality_rows(tmp_path: Path, capsys) -> None:
               for i in range(len(routing[0]["layers"]))]
     assert rows[1]["maxvio_span"] == pytest.approx(max(max(c) / statistics.mean(c) - 1 for c in summed))
     assert rows[0]["maxvio_span"] is None
+    # one-step log intervals here: each interval's mean of the worst layer is its worst step
+    assert all(row["maxvio_worst_mean"] == pytest.approx(
+        max(layer["maxvio_global"] for layer in row["layers"])) for row in routing)
+    assert rows[1]["maxvio_mean"] == pytest.approx(rows[1]["maxvio_global"]) and rows[0]["maxvio_mean"] is None
     assert rows[1]["first_vio_0.5"] == next((row["step"] for row in routing
                                              if max(layer["maxvio_global"] for layer in row["layers"]) <= 0.5), None)
     printed = capsys.readouterr().out.splitlines()  # the trainer prints its placement line first
@@ -103,6 +107,18 @@ def test_summarize_last_rows(tmp_path: Path) -> None:
     # the first row whose worst layer is at most 0.5 (both layers count): step 5
     assert got["first_vio_0.5"] == 5
     assert (got["val_loss"], got["active_M"], got["total_M"], got["tokens_per_s"]) == (1.5, 2.0, 5.0, 9.0)
+    # rows from before the monitor kept the interval mean: no mean columns
+    assert got["maxvio_mean"] is None and "first_mean_0.5" not in got
+    # with the mean: first_mean_0.5 reads it (step 3, before any interval's worst step was <= 0.5)
+    means = [2.0, 0.9, 0.6, 0.45, 0.7, 0.2, 0.3, 0.1, 0.2, 0.3]
+    (tmp_path / "routing.jsonl").write_text("".join(json.dumps({**r, "maxvio_worst_mean": m}) + "\n"
+                                                    for r, m in zip(rows, means)))
+    got = bench.summarize(tmp_path, summary)
+    assert got["first_mean_0.5"] == 3 and got["first_vio_0.5"] == 5
+    assert got["maxvio_mean"] == pytest.approx(statistics.mean(means[-5:]))
+    (tmp_path / "routing.jsonl").write_text("".join(json.dumps({**r, "maxvio_worst_mean": 0.6}) + "\n"
+                                                    for r in rows))
+    assert bench.summarize(tmp_path, summary)["first_mean_0.5"] is None
 
 
 def test_rows_start_from_the_plain_moe_whatever_knob_the_preset_turns_on() -> None:
@@ -177,6 +193,10 @@ def test_table_shows_each_seeds_first_step_at_maxvio_half() -> None:
     old = {k: v for k, v in row(3, 5, 0.1).items() if k not in ("first_vio_0.5", "maxvio_span")}
     line = bench.table([row(1, 409, 0.1), old]).splitlines()[2].split()
     assert line[cols.index("maxvio_span")] == "0.10" and line[cols.index("first_vio_0.5")] == "-"
+    assert line[cols.index("first_mean_0.5")] == "-" and line[cols.index("maxvio_mean")] == "-"
+    mean = lambda seed, first, m: {**row(seed, 409, 0.1), "first_mean_0.5": first, "maxvio_mean": m}  # noqa: E731
+    line = bench.table([mean(1, 209, 0.3), mean(2, None, 0.5)]).splitlines()[2].split()
+    assert line[cols.index("first_mean_0.5")] == "209/never" and line[cols.index("maxvio_mean")] == "0.40"
 
 
 def test_every_balancing_row_loads_and_the_session_10_rows_set_their_rules() -> None:

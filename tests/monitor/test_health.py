@@ -173,6 +173,53 @@ def test_maxvio_local_catches_what_global_hides() -> None:
     assert acc.record(6)["layers"][0]["counts"] == [0, 0]  # record resets the interval
 
 
+def test_interval_means_of_global_maxvio_leave_out_skipped_steps() -> None:
+    """The record's per-layer `maxvio_global_mean` and `maxvio_worst_mean` (the worst layer of each
+    step, averaged) are means over the interval's applied steps; the max stays the worst step."""
+    acc = stats.StepAccumulator(2, 2, 1)
+    Stats = type(build(E=2, K=1)(torch.randn(2, 16)).stats)
+    z = torch.zeros((), dtype=torch.int64)
+    # per step (layer 0, layer 1) global MaxVio: (1, 0), (0, 0.5), then a skipped step (1, 1)
+    steps = [([2, 0], [1, 1], False), ([1, 1], [3, 1], False), ([2, 0], [2, 0], True)]
+    for c0, c1, skip in steps:
+        acc.begin_step()
+        acc.add(0, Stats(torch.tensor(c0), z + 2, z))
+        acc.add(1, Stats(torch.tensor(c1), z + 2, z))
+        acc.end_step(skip=torch.tensor(skip))
+    row = acc.record(3)
+    (l0, l1) = row["layers"]
+    assert (l0["maxvio_global"], l1["maxvio_global"]) == (1.0, 0.5)
+    assert (l0["maxvio_global_mean"], l1["maxvio_global_mean"]) == (0.5, 0.25)
+    assert row["maxvio_worst_mean"] == 0.75 and row["skipped_steps"] == 1  # (1 + 0.5) / 2
+    empty = acc.record(4)
+    assert empty["maxvio_worst_mean"] is None and empty["layers"][0]["maxvio_global_mean"] is None
+
+
+def test_interval_means_survive_a_resume_and_old_checkpoints_load() -> None:
+    Stats = type(build(E=2, K=1)(torch.randn(2, 16)).stats)
+    z = torch.zeros((), dtype=torch.int64)
+
+    def step(acc: stats.StepAccumulator, counts: list[int]) -> None:
+        acc.add(0, Stats(torch.tensor(counts), z + 2, z))
+        acc.end_step()
+
+    whole, first = stats.StepAccumulator(1, 2, 1), stats.StepAccumulator(1, 2, 1)
+    for acc in (whole, first):
+        step(acc, [2, 0])
+    resumed = stats.StepAccumulator(1, 2, 1)
+    resumed.load_state_dict(first.state_dict())
+    for acc in (whole, resumed):
+        step(acc, [1, 1])
+    assert resumed.record(2) == whole.record(2)
+    old = {k: v for k, v in first.state_dict().items() if k not in stats.MEAN_SUMS}
+    resumed.load_state_dict(old)  # written before the means existed: they cover the steps after it
+    step(resumed, [1, 1])
+    row = resumed.record(3)
+    assert row["layers"][0]["counts"] == [3, 1] and row["maxvio_worst_mean"] == 0.0
+    with pytest.raises(ValueError, match="counts_LE"):
+        resumed.load_state_dict({k: v for k, v in old.items() if k != "counts_LE"})
+
+
 def test_flip_rates() -> None:
     a = torch.tensor([[0, 1], [2, 3], [1, 2]])
     b = torch.tensor([[1, 0], [2, 0], [1, 2]])  # slot order ignored; one of three tokens changed

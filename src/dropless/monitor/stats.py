@@ -86,6 +86,10 @@ def bf16_flip_rate(router: Router, x_TD: torch.Tensor) -> torch.Tensor:
     return flip_rate(ids32, ids16, num_experts=router.num_experts)
 
 
+# the sums behind the interval means; checkpoints written before they existed lack them (load_state_dict)
+MEAN_SUMS = ("maxvio_global_sum_L", "maxvio_worst_sum", "global_steps")
+
+
 class StepAccumulator:
     """Device-side sums of the layers' statistics over micro-batches, steps and one log interval.
 
@@ -103,8 +107,9 @@ class StepAccumulator:
     Per log interval: `all_reduce(fn)` over data-parallel ranks, then `record(step, ...)` (one host
     sync), which also resets the interval.
 
-    Which interval tensors are per rank and which already global: `counts_LE` and
-    `maxvio_global_L` are built from the step counts after their all-reduce, so they are global
+    Which interval tensors are per rank and which already global: `counts_LE`, `maxvio_global_L`
+    and the sums behind its means (MEAN_SUMS) are built from the step counts after their
+    all-reduce, so they are global
     (identical on every rank) and must not be reduced again (summing them over W ranks made the
     record's counts W times too large). Everything `add` accumulates per micro-batch is this rank's
     own: sums (dropped pairs, aux-loss sums and their count, output sums of squares with the counts
@@ -123,6 +128,10 @@ class StepAccumulator:
         self.counts_LE = z(num_layers, num_experts)
         self.maxvio_local_L = z(num_layers)
         self.maxvio_global_L = z(num_layers)
+        # the interval's per-step global MaxVio summed (per layer, and the worst layer's each step) over
+        # its applied steps, for the mean: the max above is one bad step, the mean is the balance the
+        # interval had (bench balance's measure: the worst layer each step, averaged over steps)
+        self.maxvio_global_sum_L, self.maxvio_worst_sum, self.global_steps = z(num_layers), z(()), z(())
         self.dropped_L = z(num_layers)
         self.aux_sum_L, self.aux_n_L = z(num_layers), z(num_layers)
         self.out_sq_LE = z(num_layers, num_experts)
@@ -156,6 +165,9 @@ class StepAccumulator:
         step = self.step_counts_LE
         vio_L = torch.stack([maxvio_device(step[i]) for i in range(self.L)])
         self.maxvio_global_L = torch.maximum(self.maxvio_global_L, vio_L)
+        self.maxvio_global_sum_L += vio_L
+        self.maxvio_worst_sum += vio_L.max()
+        self.global_steps += 1
         self.counts_LE += step
         step.zero_()
         if skip is not None:
@@ -178,6 +190,8 @@ class StepAccumulator:
         t["maxvio_local_L"] = (self.maxvio_local_L, "max")
         t["counts_LE"] = (self.counts_LE, "global")
         t["maxvio_global_L"] = (self.maxvio_global_L, "global")
+        for n in MEAN_SUMS:
+            t[n] = (getattr(self, n), "global")
         t["skipped_steps"] = (self.skipped_steps, "global")
         t["nonfinite_steps"] = (self.nonfinite_steps, "global")
         return t
@@ -201,12 +215,16 @@ class StepAccumulator:
             self.entropy_sum_L, self.top12_sum_L, self.detail_n_L,
             torch.stack([dev(v) for v in fb]), torch.stack([dev(v) for v in fs]),
             torch.stack([dev(v) for v in ov]), torch.stack(bias_max),
+            self.maxvio_global_sum_L, self.maxvio_worst_sum.reshape(1), self.global_steps.reshape(1),
             self.skipped_steps.reshape(1), self.nonfinite_steps.reshape(1),
         ]).tolist()
         LE = L * self.E
         counts, out_sq, dcounts = host[:LE], host[LE:2 * LE], host[2 * LE:3 * LE]
         cols = [host[3 * LE + i * L: 3 * LE + (i + 1) * L] for i in range(12)]
         vl, vg, dropped, aux_s, aux_n, ent, t12, dn, fbh, fsh, ovh, bmh = cols
+        vsum = host[3 * LE + 12 * L: 3 * LE + 13 * L]
+        worst_sum, n_steps = host[-4], host[-3]
+        mean = lambda v: v / n_steps if n_steps else None  # noqa: E731
         nan = lambda v: None if v != v else v  # noqa: E731
         layers = []
         for i in range(L):
@@ -215,7 +233,7 @@ class StepAccumulator:
             rmax, rmin = (rms_ratios(out_sq[i * self.E:(i + 1) * self.E], dcounts[i * self.E:(i + 1) * self.E])
                           if dn[i] > 0 else (None, None))
             layers.append({
-                "counts": c, "maxvio_local": vl[i], "maxvio_global": vg[i],
+                "counts": c, "maxvio_local": vl[i], "maxvio_global": vg[i], "maxvio_global_mean": mean(vsum[i]),
                 "tokens_min": lo, "tokens_median": med, "tokens_max": hi,
                 "rms_max_over_median": rmax, "rms_min_over_median": rmin,
                 "entropy": ent[i] / dn[i] if dn[i] else None,
@@ -226,8 +244,8 @@ class StepAccumulator:
                 "bias_abs_max": nan(bmh[i]), "top_k": self.top_k,
             })
         self.reset()
-        return {"step": int(step), "layers": layers, "skipped_steps": int(host[-2]),
-                "nonfinite_steps": int(host[-1])}
+        return {"step": int(step), "layers": layers, "maxvio_worst_mean": mean(worst_sum),
+                "skipped_steps": int(host[-2]), "nonfinite_steps": int(host[-1])}
 
     def reset(self) -> None:
         for name, (t, _) in self.interval_tensors().items():
@@ -249,6 +267,8 @@ class StepAccumulator:
         ValueError naming it."""
         for name, t in {**{n: t for n, (t, _) in self.interval_tensors().items()},
                         "step_counts_LE": self.step_counts_LE}.items():
+            if name not in state and name in MEAN_SUMS:
+                continue  # a checkpoint from before the sums: the interval's means cover the steps since
             if name not in state:
                 raise ValueError(f"routing accumulator state: no {name!r} entry (has {sorted(state)})")
             if tuple(state[name].shape) != tuple(t.shape):
