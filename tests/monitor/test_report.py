@@ -22,7 +22,8 @@ def synthetic_run(run_dir: Path, steps: int = 6, layers: int = 2, E: int = 4) ->
                 counts = [hot, 8, 8, 0 if i == 1 else 8]
                 mean = sum(counts) / E
                 rows.append({"counts": counts, "maxvio_local": max(counts) / mean - 0.5,
-                             "maxvio_global": max(counts) / mean - 1, "tokens_min": min(counts),
+                             "maxvio_global": max(counts) / mean - 1, "maxvio_global_mean": 0.125 + i,
+                             "tokens_min": min(counts),
                              "tokens_median": 8.0, "tokens_max": max(counts),
                              "rms_max_over_median": 1.5, "rms_min_over_median": 0.7, "entropy": 1.2,
                              "top1_top2": 1.8, "flip_bf16": 0.001, "flip_step": None if step == 0 else 0.05,
@@ -43,6 +44,10 @@ def test_diagnose_writes_report_and_plots(tmp_path: Path) -> None:
         assert f"]({name})" in report
     assert "dead_expert" in report and "collapse" in report  # layer 1's alarms, from health.jsonl
     assert "| 1 | " in report  # the per-layer table
+    header = next(line for line in report.splitlines() if line.startswith("| layer |"))
+    col = header.split(" | ").index("maxvio_global_mean")
+    assert [line.split(" | ")[col] for line in report.splitlines()
+            if line.startswith(("| 0 | ", "| 1 | ")) and line.count("|") > 8] == ["0.125", "1.12"]
 
 
 def test_diagnose_without_routing_record_fails_cleanly(tmp_path: Path, capsys) -> None:

@@ -39,8 +39,9 @@ def _draw(rows: list[dict], out: Path) -> list[tuple[str, str]]:
     made = []
     for i in range(n_layers):
         made.append((f"Layer {i}: expert load heatmap", plots.load_heatmap(rows, i, out / f"load_L{i}.png").name))
-    made.append(("MaxVio, local (worst micro-batch) and global (step)",
-                 plots.curves(rows, ["maxvio_local", "maxvio_global"], out / "maxvio.png", "MaxVio").name))
+    made.append(("MaxVio, local (worst micro-batch), global (worst step) and the interval's mean global",
+                 plots.curves(rows, ["maxvio_local", "maxvio_global", "maxvio_global_mean"], out / "maxvio.png",
+                              "MaxVio").name))
     made.append(("Expert output RMS ratios to the median (log scale)",
                  plots.curves(rows, ["rms_max_over_median", "rms_min_over_median"], out / "rms.png",
                               "output RMS / median", log_y=True).name))
@@ -75,7 +76,7 @@ def write_report(run_dir: Path, out: Path | None = None) -> Path:
                          f"| {_fmt(a['value'])} | {_fmt(a['threshold'])} | {a['cause']} | {a['action']} |")
     else:
         lines.append("None.")
-    keys = ["maxvio_local", "maxvio_global", "tokens_min", "tokens_max", "rms_max_over_median",
+    keys = ["maxvio_local", "maxvio_global", "maxvio_global_mean", "tokens_min", "tokens_max", "rms_max_over_median",
             "rms_min_over_median", "entropy", "top1_top2", "flip_bf16", "flip_step", "dropped", "overflow"]
     lines += ["", f"## Last log step ({rows[-1]['step']})", "", "| layer | " + " | ".join(keys) + " |",
               "|---" * (len(keys) + 1) + "|"]
