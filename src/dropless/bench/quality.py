@@ -121,8 +121,7 @@ def summarize(run_dir: Path, summary: dict, last: int = 5) -> dict:
     # the one issue 14's targets were given in); rows from before the monitor kept the mean have none
     reached = next((r["step"] for r in every if max(layer["maxvio_global"] for layer in r["layers"]) <= 0.5), None)
     has_mean = bool(every) and all(r.get("maxvio_worst_mean") is not None for r in every)
-    reached_mean = (next((r["step"] for r in every if r["maxvio_worst_mean"] <= 0.5), None) if has_mean
-                    else "n/a")
+    reached_mean = next((r["step"] for r in every if r["maxvio_worst_mean"] <= 0.5), None) if has_mean else None
     maxvio = (statistics.mean(max(layer["maxvio_global"] for layer in r["layers"]) for r in routing)
               if routing else None)
     maxvio_mean = statistics.mean(r["maxvio_worst_mean"] for r in routing) if has_mean else None
@@ -135,7 +134,7 @@ def summarize(run_dir: Path, summary: dict, last: int = 5) -> dict:
     return {"val_loss": summary["final_val_loss"], "active_M": summary["params_active"] / 1e6,
             "total_M": summary["params_total"] / 1e6, "tokens_per_s": summary["tokens_per_s"],
             "maxvio_global": maxvio, "maxvio_mean": maxvio_mean, "maxvio_span": span, "first_vio_0.5": reached,
-            **({} if reached_mean == "n/a" else {"first_mean_0.5": reached_mean})}
+            **({"first_mean_0.5": reached_mean} if has_mean else {})}
 
 
 def table(rows: list[dict]) -> str:

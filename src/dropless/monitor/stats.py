@@ -220,9 +220,8 @@ class StepAccumulator:
         ]).tolist()
         LE = L * self.E
         counts, out_sq, dcounts = host[:LE], host[LE:2 * LE], host[2 * LE:3 * LE]
-        cols = [host[3 * LE + i * L: 3 * LE + (i + 1) * L] for i in range(12)]
-        vl, vg, dropped, aux_s, aux_n, ent, t12, dn, fbh, fsh, ovh, bmh = cols
-        vsum = host[3 * LE + 12 * L: 3 * LE + 13 * L]
+        cols = [host[3 * LE + i * L: 3 * LE + (i + 1) * L] for i in range(13)]
+        vl, vg, dropped, aux_s, aux_n, ent, t12, dn, fbh, fsh, ovh, bmh, vsum = cols
         worst_sum, n_steps = host[-4], host[-3]
         mean = lambda v: v / n_steps if n_steps else None  # noqa: E731
         nan = lambda v: None if v != v else v  # noqa: E731
