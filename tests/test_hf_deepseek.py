@@ -62,7 +62,7 @@ def test_import_matches_transformers_logits_and_gradients(tmp_path: Path) -> Non
     torch.nn.functional.cross_entropy(ref.view(-1, VOCAB), y.view(-1)).backward()
     model(x, y).ce_loss.backward()
     params = dict(model.named_parameters())
-    names = hf_grads(hf, FAMILY, model.cfg)
+    names = hf_grads(hf, FAMILY, model)
     assert any("q_a_proj" in n for n in names) and any("shared_experts" in n for n in names)
     for name, s in names.items():
         g = params[s.param].grad
@@ -225,7 +225,7 @@ def test_fp8_block_weights_are_dequantised_on_import(tmp_path: Path) -> None:
     (q8 / "config.json").write_text(json.dumps(config))
     model, _ = import_hf.load_model(q8)
     params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    slots = {s.hf_name: s for s in mapping.slots(model.cfg, FAMILY)}
+    slots = {s.hf_name: s for s in mapping.slots(model, FAMILY)}
     assert len(ref) > 50
     for k, want in ref.items():
         s = slots[k]

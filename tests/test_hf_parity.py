@@ -38,10 +38,10 @@ def tokens(seed: int = 1, B: int = 2, S: int = 19) -> torch.Tensor:
     return torch.randint(0, VOCAB, (B, S), generator=g)
 
 
-def hf_grads(hf_model: torch.nn.Module, family: str, cfg: ModelConfig) -> dict[str, tuple[str, tuple, bool]]:
-    """transformers' in-memory parameter name -> (dropless param, region, transposed): the on-disk
-    table plus the fused expert layout transformers 5 keeps in memory."""
-    table = {s.hf_name: s for s in mapping.slots(cfg, family) + mapping.fused_slots(cfg, family)}
+def hf_grads(hf_model: torch.nn.Module, family: str, model: MoEModel) -> dict[str, mapping.Slot]:
+    """transformers' in-memory parameter name -> its Slot (dropless param, region, transposed): the
+    on-disk table plus the fused expert layout transformers 5 keeps in memory."""
+    table = {s.hf_name: s for s in mapping.slots(model, family) + mapping.fused_slots(model, family)}
     return {n: table[n] for n, _ in hf_model.named_parameters()}
 
 
@@ -63,7 +63,7 @@ def test_import_matches_transformers_logits_and_gradients(tmp_path: Path, family
     torch.nn.functional.cross_entropy(ref.view(-1, VOCAB), y.view(-1)).backward()
     model(x, y).ce_loss.backward()
     params = dict(model.named_parameters())
-    for name, s in hf_grads(hf, family, model.cfg).items():
+    for name, s in hf_grads(hf, family, model).items():
         g = params[s.param].grad
         region = g[s.index] if s.index else g
         region = region.transpose(-1, -2) if s.transpose else region

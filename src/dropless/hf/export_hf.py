@@ -45,7 +45,7 @@ def hf_tensors(model: MoEModel, family: str, dtype: torch.dtype = torch.float32
                ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for every tensor of the checkpoint, each a fresh contiguous copy."""
     params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    for slot in mapping.slots(model.cfg, family):
+    for slot in mapping.slots(model, family):
         p = params[slot.param].detach()
         region = p[slot.index] if slot.index else p
         t = region.transpose(-1, -2) if slot.transpose else region
