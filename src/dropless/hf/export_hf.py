@@ -7,6 +7,8 @@ Writes `config.json`, the weights as safetensors shards of at most N MiB with
 `model.safetensors.index.json` (one `model.safetensors` when they fit in one), and the run's tokenizer
 files (those `import-hf` copied, or the folder of `data.tokenizer_path`), so that
 `transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads it with no missing or unexpected keys.
+config.json spells the rotary both as transformers 4.x reads it (`rope_theta`, `rope_scaling`) and as
+5.x does (`rope_parameters`), so every version the `hf` extra allows computes the same model (hf/rope.py).
 The names and layouts are hf/mapping.py's table read backwards: the per-expert layout that
 `save_pretrained` writes. A dropless config the family cannot express (sigmoid scores, group-limited
 routing, an expert bias, shared experts, ...) is a ValueError naming the field, before anything is
