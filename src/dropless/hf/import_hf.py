@@ -6,8 +6,9 @@ DIR holds `config.json`, the weights (`model.safetensors`, or shards listed by
 `model.safetensors.index.json`) and the tokenizer (`tokenizer.json`, with its companion files). The
 run directory gets a step-0 checkpoint in the trainer's format, its `config.toml` (the model from
 config.json via hf/mapping.py, where a key it omits takes transformers' default (hf/defaults.py);
-`data.tokenizer="hf"`, fine-tuning defaults for the rest, `--set` overrides on top) and a copy of the tokenizer files under `tokenizer/`; `dropless train --resume`,
-`generate`, `evaluate` and `diagnose` take it as any run.
+`data.tokenizer="hf"`, fine-tuning defaults for the rest, `--set` overrides on top) and a copy of
+the tokenizer files under `tokenizer/`; `dropless train --resume`, `generate`, `evaluate` and
+`diagnose` take it as any run.
 
 Streaming: the shards are read one tensor at a time through safetensors' memory map and copied
 straight into the model's (fp32) parameters, the experts into their region of the stacked
