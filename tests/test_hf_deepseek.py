@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from hf_models import VOCAB, deepseek_config, save_hf, transformers
-from test_hf_parity import hf_grads, tokens, write_run
+from test_hf_parity import check_round_trip, hf_grads, tokens, write_run
 from tolerances import E4M3_REL, E4M3_SUBNORMAL, KV_DECODE, REFERENCE, assert_close
 
 from dropless.config import ModelConfig
@@ -62,7 +62,7 @@ def test_import_matches_transformers_logits_and_gradients(tmp_path: Path) -> Non
     torch.nn.functional.cross_entropy(ref.view(-1, VOCAB), y.view(-1)).backward()
     model(x, y).ce_loss.backward()
     params = dict(model.named_parameters())
-    names = hf_grads(hf, FAMILY, model.cfg)
+    names = hf_grads(hf, FAMILY, model)
     assert any("q_a_proj" in n for n in names) and any("shared_experts" in n for n in names)
     for name, s in names.items():
         g = params[s.param].grad
@@ -89,20 +89,9 @@ def test_variants_match_transformers(tmp_path: Path, kw: dict) -> None:
         assert_close(model(x).logits, hf(x).logits, REFERENCE[torch.float32], f"deepseek_v3 {kw}")
 
 
-def test_round_trip_is_bit_identical(tmp_path: Path) -> None:
-    src, run, out = tmp_path / "src", tmp_path / "run", tmp_path / "out"
-    save_hf(deepseek_config(), src)
-    import_hf.write_run(src, run)
-    export_hf.export(run, out, FAMILY, max_shard_mb=0.01)
-    from safetensors.torch import load_file
-
-    def all_tensors(d: Path) -> dict[str, torch.Tensor]:
-        return {k: v for f in import_hf.shard_files(d) for k, v in load_file(f).items()}
-
-    a, b = all_tensors(src), all_tensors(out)
-    assert sorted(a) == sorted(b) and any(k.endswith("e_score_correction_bias") for k in a)
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+def test_round_trip_is_transformers_own_model(tmp_path: Path) -> None:
+    """tests/test_hf_parity.py check_round_trip, with the correction bias in the checkpoint."""
+    check_round_trip(tmp_path, deepseek_config(), FAMILY)
 
 
 @pytest.mark.parametrize("kw", [{}, YARN])
@@ -225,7 +214,7 @@ def test_fp8_block_weights_are_dequantised_on_import(tmp_path: Path) -> None:
     (q8 / "config.json").write_text(json.dumps(config))
     model, _ = import_hf.load_model(q8)
     params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    slots = {s.hf_name: s for s in mapping.slots(model.cfg, FAMILY)}
+    slots = {s.hf_name: s for s in mapping.slots(model, FAMILY)}
     assert len(ref) > 50
     for k, want in ref.items():
         s = slots[k]

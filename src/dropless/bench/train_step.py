@@ -128,7 +128,7 @@ def build_hf(model: MoEModel, shape: Shape) -> nn.Module:
     cfg = transformers.Qwen3MoeConfig(**hf_dict, output_router_logits=True, use_cache=False)
     hf = transformers.AutoModelForCausalLM.from_config(
         cfg, dtype=torch.float32, experts_implementation="grouped_mm", attn_implementation="sdpa")
-    table = {s.hf_name: s for s in mapping.slots(model.cfg, "qwen3_moe") + mapping.fused_slots(model.cfg, "qwen3_moe")}
+    table = {s.hf_name: s for s in mapping.slots(model, "qwen3_moe") + mapping.fused_slots(model, "qwen3_moe")}
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, p in hf.named_parameters():

@@ -34,10 +34,14 @@ Balancing, the family's rule (DeepSeek-V3 report, section 2.1.2): the loss-free 
 report's alpha); no micro-batch aux loss and no z-loss. transformers trains with neither.
 
 Rotary: plain or YaRN (`rope_parameters` or DeepSeek's own `rope_scaling` spelling, with
-`mscale` / `mscale_all_dim`: the cos/sin factor and the softmax-scale factor of layers/rotary.py).
+`mscale` / `mscale_all_dim`: the cos/sin factor and the softmax-scale factor of layers/rotary.py;
+read and written by hf/rope.py).
+
+Defaults: a key the config.json omits is DeepseekV3Config's default (hf/defaults.py): 8 groups of
+which 4 are eligible, routed_scaling_factor 2.5, three dense layers, a query rank of 1536.
 
 Not expressible, refused by name: other rotary scalings (linear, dynamic, ...) and yarn's explicit
-`attention_factor` / `partial_rotary_factor` / `truncate: false`, moe_layer_freq != 1, num_key_value_heads != num_attention_heads (transformers' MLA would not
+`attention_factor` / `partial_rotary_factor` / `truncate: false` (hf/rope.py), moe_layer_freq != 1, num_key_value_heads != num_attention_heads (transformers' MLA would not
 run either), n_shared_experts = 0, a scoring function other than sigmoid, a topk_method other than
 "noaux_tc", groups of fewer than two experts.
 """
@@ -46,93 +50,58 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..config import ModelConfig, YarnConfig
+import torch
+
+from ..config import ModelConfig
 from ..moe_config import BalanceConfig, MoEConfig, RouterConfig
+from . import rope
+from .defaults import Fields, refuse
 
 BIAS_UPDATE_RATE = 1e-3
 SEQ_AUX_LOSS_COEFF = 1e-4
 
 
-YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
-
-
-def rope(hf: dict[str, Any], refuse: Callable[..., None], plain_theta: Callable[[dict[str, Any]], float]
-         ) -> tuple[float, YarnConfig]:
-    """Rotary base and YaRN scaling from `rope_parameters` (transformers 5) or `rope_scaling` +
-    `rope_theta` (4.x and DeepSeek's own config.json); other scalings are refused by name."""
-    params, where = hf.get("rope_parameters"), "rope_parameters"
-    if params is None and hf.get("rope_scaling") is not None:
-        params, where = {**hf["rope_scaling"], "rope_theta": hf.get("rope_theta", 10000.0)}, "rope_scaling"
-    kind = (params or {}).get("rope_type", (params or {}).get("type", "default"))
-    if kind != "yarn":
-        return plain_theta(hf), YarnConfig()
-    for key in ("attention_factor", "partial_rotary_factor"):
-        if params.get(key) is not None:
-            refuse(f"{where}.{key}", params[key], "not supported with yarn")
-    if params.get("truncate", True) is not True:
-        refuse(f"{where}.truncate", params["truncate"], "only the truncated correction range")
-    original = params.get("original_max_position_embeddings")
-    if original is None:
-        refuse(f"{where}.original_max_position_embeddings", None, "yarn needs it")
-    factor = params.get("factor") or hf["max_position_embeddings"] / original
-    yarn = YarnConfig(factor=float(factor), original_max_seq_len=int(original),
-                      beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
-                      mscale=float(params.get("mscale") or 0), mscale_all_dim=float(params.get("mscale_all_dim") or 0))
-    return float(params.get("rope_theta", 10000.0)), yarn
-
-
-def rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
-    y = cfg.rope_yarn
-    if y.factor == 1.0:
-        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    return {"rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": y.factor,
-            "original_max_position_embeddings": y.original_max_seq_len, "beta_fast": y.beta_fast,
-            "beta_slow": y.beta_slow, "mscale": y.mscale, "mscale_all_dim": y.mscale_all_dim}
-
-
-def model_config(hf: dict[str, Any], field: Callable[..., Any], refuse: Callable[..., None],
-                 plain_theta: Callable[[dict[str, Any]], float]) -> ModelConfig:
-    """The dropless config of a DeepSeek-V3 config.json (`field` and `refuse` are mapping.py's)."""
-    n_layers, H = field(hf, "num_hidden_layers"), field(hf, "num_attention_heads")
-    if field(hf, "num_key_value_heads", H) != H:
-        refuse("num_key_value_heads", hf["num_key_value_heads"], f"MLA has one key/value head per query "
-               f"head (num_attention_heads={H})")
-    if int(hf.get("moe_layer_freq", 1) or 1) != 1:
-        refuse("moe_layer_freq", hf["moe_layer_freq"], "only every layer after first_k_dense_replace is MoE (1)")
-    if hf.get("scoring_func", "sigmoid") != "sigmoid":
-        refuse("scoring_func", hf["scoring_func"], "DeepSeek-V3 routes on sigmoid scores")
-    if hf.get("topk_method", "noaux_tc") != "noaux_tc":
-        refuse("topk_method", hf["topk_method"], "only 'noaux_tc' (group-limited, bias-corrected top-k)")
-    n_shared = field(hf, "n_shared_experts")
+def model_config(f: Fields) -> ModelConfig:
+    """The dropless config of a DeepSeek-V3 config.json (read through `f`: transformers' defaults)."""
+    n_layers, H = f("num_hidden_layers"), f("num_attention_heads")
+    kv = f("num_key_value_heads")
+    if kv is not None and kv != H:
+        refuse("num_key_value_heads", kv, f"MLA has one key/value head per query head (num_attention_heads={H})")
+    if int(f("moe_layer_freq")) != 1:
+        refuse("moe_layer_freq", f("moe_layer_freq"), "only every layer after first_k_dense_replace is MoE (1)")
+    if f("scoring_func") != "sigmoid":
+        refuse("scoring_func", f("scoring_func"), "DeepSeek-V3 routes on sigmoid scores")
+    if f("topk_method") != "noaux_tc":
+        refuse("topk_method", f("topk_method"), "only 'noaux_tc' (group-limited, bias-corrected top-k)")
+    n_shared = f("n_shared_experts")
     if n_shared < 1:
         refuse("n_shared_experts", n_shared, "at least one shared expert (transformers always builds them)")
-    E, K = field(hf, "n_routed_experts", hf.get("num_local_experts")), field(hf, "num_experts_per_tok")
-    G, TG = int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1)
+    E, K = f("n_routed_experts"), f("num_experts_per_tok")
+    G, TG = int(f("n_group")), int(f("topk_group"))
     if G > 1 and E // G < 2:
         refuse("n_group", G, f"groups of {E // G} expert: transformers scores a group by its two best")
-    n_dense = field(hf, "first_k_dense_replace", 0)
+    n_dense = f("first_k_dense_replace")
     if n_dense >= n_layers:
         refuse("first_k_dense_replace", n_dense, "no MoE layer: a dense model (dropless imports MoE models)")
-    renorm = bool(hf.get("norm_topk_prob", True))
+    renorm = bool(f("norm_topk_prob"))
     router = RouterConfig(score_func="sigmoid", renormalize=renorm, norm_top_k=1 if (K == 1 and renorm) else None,
-                          scaling_factor=float(field(hf, "routed_scaling_factor", 1.0)), n_groups=G,
+                          scaling_factor=float(f("routed_scaling_factor")), n_groups=G,
                           topk_groups=TG, use_expert_bias=True)
     balance = BalanceConfig(aux_loss_coeff=0.0, seq_aux_loss_coeff=SEQ_AUX_LOSS_COEFF, z_loss_coeff=0.0,
                             bias_update_rate=BIAS_UPDATE_RATE)
-    F = field(hf, "moe_intermediate_size")
+    F = f("moe_intermediate_size")
     moe = MoEConfig(num_experts=E, top_k=K, d_expert=F, activation="swiglu", router=router, balance=balance,
                     n_shared_experts=n_shared, d_shared=F)
-    rope_dim, nope = field(hf, "qk_rope_head_dim"), field(hf, "qk_nope_head_dim")
-    theta, yarn = rope(hf, refuse, plain_theta)
+    rope_dim, nope = f("qk_rope_head_dim"), f("qk_nope_head_dim")
+    theta, yarn = rope.read(f, yarn_ok=True)
     return ModelConfig(
-        vocab_size=field(hf, "vocab_size"), d_model=field(hf, "hidden_size"), n_layers=n_layers, n_heads=H,
-        head_dim=nope + rope_dim, attention="mla", q_lora_rank=int(hf.get("q_lora_rank") or 0),
-        kv_lora_rank=field(hf, "kv_lora_rank"), rope_head_dim=rope_dim, v_head_dim=field(hf, "v_head_dim"),
-        rope_interleave=bool(hf.get("rope_interleave", True)), attn_bias=bool(hf.get("attention_bias", False)),
-        max_seq_len=field(hf, "max_position_embeddings"), n_dense_layers=n_dense,
-        d_ff_dense=int(hf.get("intermediate_size") or 1), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        rope_theta=theta, rope_yarn=yarn, norm_eps=float(field(hf, "rms_norm_eps")),
-        init_std=float(hf.get("initializer_range", 0.02)), moe=moe)
+        vocab_size=f("vocab_size"), d_model=f("hidden_size"), n_layers=n_layers, n_heads=H,
+        head_dim=nope + rope_dim, attention="mla", q_lora_rank=int(f("q_lora_rank") or 0),
+        kv_lora_rank=f("kv_lora_rank"), rope_head_dim=rope_dim, v_head_dim=f("v_head_dim"),
+        rope_interleave=bool(f("rope_interleave")), attn_bias=bool(f("attention_bias")),
+        max_seq_len=f("max_position_embeddings"), n_dense_layers=n_dense, d_ff_dense=f("intermediate_size"),
+        tie_embeddings=bool(f("tie_word_embeddings")), rope_theta=theta, rope_yarn=yarn,
+        norm_eps=float(f("rms_norm_eps")), init_std=float(f("initializer_range")), moe=moe)
 
 
 def checks(cfg: ModelConfig) -> list[tuple[str, Any, bool, str]]:
@@ -150,46 +119,32 @@ def checks(cfg: ModelConfig) -> list[tuple[str, Any, bool, str]]:
     ]
 
 
-def hf_config(cfg: ModelConfig) -> dict[str, Any]:
-    """DeepSeek-V3's own fields of the config.json (mapping.hf_config adds the common ones)."""
-    m, r = cfg.moe, cfg.moe.router
-    return {"n_routed_experts": m.num_experts, "moe_intermediate_size": m.d_expert,
-            "n_shared_experts": m.shared_width // m.d_expert, "first_k_dense_replace": cfg.n_dense_layers,
-            "intermediate_size": cfg.d_ff_dense, "routed_scaling_factor": r.scaling_factor,
-            "n_group": r.n_groups, "topk_group": r.topk_groups, "q_lora_rank": cfg.q_lora_rank or None,
-            "kv_lora_rank": cfg.kv_lora_rank, "qk_rope_head_dim": cfg.rope_head_dim,
-            "qk_nope_head_dim": cfg.head_width - cfg.rope_head_dim, "v_head_dim": cfg.value_width,
-            "rope_interleave": cfg.rope_interleave, "rope_parameters": rope_parameters(cfg), "attention_bias": cfg.attn_bias, "num_nextn_predict_layers": 0}
+def hf_config(attn: torch.nn.Module, moe: torch.nn.Module, n_dense: int, d_ff_dense: int) -> dict[str, Any]:
+    """DeepSeek-V3's own fields of the config.json, read from the built modules (an MLA block's
+    `attn`, an MoE layer `moe`); mapping.hf_config adds the common ones."""
+    r = moe.cfg.router
+    E, F, _ = moe.experts.w_down_EFD.shape
+    q_a = getattr(attn, "q_a", None)
+    return {"n_routed_experts": E, "moe_intermediate_size": F,
+            "n_shared_experts": moe.shared.down.weight.shape[1] // F, "first_k_dense_replace": n_dense,
+            "intermediate_size": d_ff_dense, "routed_scaling_factor": r.scaling_factor,
+            "n_group": r.n_groups, "topk_group": r.topk_groups,
+            "q_lora_rank": q_a.out_features if q_a is not None else None, "kv_lora_rank": attn.kv_rank,
+            "qk_rope_head_dim": attn.rope_dim, "qk_nope_head_dim": attn.nope_dim, "v_head_dim": attn.v_dim,
+            "rope_interleave": attn.interleave, "attention_bias": attn.out.bias is not None,
+            "num_nextn_predict_layers": 0}
 
 
-def attention_slots(cfg: ModelConfig, hf: str, dl: str, slot: Callable[..., Any]) -> list[Any]:
-    """The MLA tensors of one layer (`hf`, `dl`: the layer prefixes; `slot`: mapping.Slot)."""
-    D, H, Dqk, Dr, Dv, Rkv = cfg.d_model, cfg.n_heads, cfg.head_width, cfg.rope_head_dim, cfg.value_width, cfg.kv_lora_rank
-    Dn, Rq, a, b = Dqk - Dr, cfg.q_lora_rank, hf + "self_attn.", dl + "attn."
-    out = []
-    if Rq:
-        out += [slot(a + "q_a_proj.weight", (Rq, D), b + "q_a.weight"),
-                slot(a + "q_a_layernorm.weight", (Rq,), b + "q_norm.weight"),
-                slot(a + "q_b_proj.weight", (H * Dqk, Rq), b + "q_b.weight")]
-        if cfg.attn_bias:
-            out.append(slot(a + "q_a_proj.bias", (Rq,), b + "q_a.bias"))
-    else:
-        out.append(slot(a + "q_proj.weight", (H * Dqk, D), b + "q_proj.weight"))
-    out += [slot(a + "kv_a_proj_with_mqa.weight", (Rkv + Dr, D), b + "kv_a.weight"),
-            slot(a + "kv_a_layernorm.weight", (Rkv,), b + "kv_norm.weight"),
-            slot(a + "kv_b_proj.weight", (H * (Dn + Dv), Rkv), b + "kv_b.weight"),
-            slot(a + "o_proj.weight", (D, H * Dv), b + "out.weight")]
-    if cfg.attn_bias:
-        out += [slot(a + "kv_a_proj_with_mqa.bias", (Rkv + Dr,), b + "kv_a.bias"),
-                slot(a + "o_proj.bias", (D,), b + "out.bias")]
-    return out
+# HF self_attn.<name> -> dropless attn.<name>, each whole (the module note's table); a pair is in the
+# checkpoint when the built model has the parameter (q_a or q_proj; biases)
+ATTENTION = (("q_a_proj.weight", "q_a.weight"), ("q_a_proj.bias", "q_a.bias"),
+             ("q_a_layernorm.weight", "q_norm.weight"), ("q_b_proj.weight", "q_b.weight"),
+             ("q_proj.weight", "q_proj.weight"), ("kv_a_proj_with_mqa.weight", "kv_a.weight"),
+             ("kv_a_proj_with_mqa.bias", "kv_a.bias"), ("kv_a_layernorm.weight", "kv_norm.weight"),
+             ("kv_b_proj.weight", "kv_b.weight"), ("o_proj.weight", "out.weight"), ("o_proj.bias", "out.bias"))
 
 
-def moe_extra_slots(cfg: ModelConfig, hf: str, dl: str, slot: Callable[..., Any]) -> list[Any]:
-    """The correction bias and the shared experts of one MoE layer."""
-    D, E, Fs = cfg.d_model, cfg.moe.num_experts, cfg.moe.shared_width
-    s = hf + "mlp.shared_experts."
-    return [slot(hf + "mlp.gate.e_score_correction_bias", (E,), dl + "ffn.router.expert_bias"),
-            slot(s + "gate_proj.weight", (Fs, D), dl + "ffn.shared.gate_up.weight", (slice(0, Fs),)),
-            slot(s + "up_proj.weight", (Fs, D), dl + "ffn.shared.gate_up.weight", (slice(Fs, 2 * Fs),)),
-            slot(s + "down_proj.weight", (D, Fs), dl + "ffn.shared.down.weight")]
+def attention_slots(hf: str, dl: str, slot: Callable[..., Any]) -> list[Any]:
+    """The MLA tensors of one layer (`hf`, `dl`: the layer prefixes; `slot`: mapping's slot maker)."""
+    a, b = hf + "self_attn.", dl + "attn."
+    return [slot(a + h, b + d) for h, d in ATTENTION if b + d in slot]

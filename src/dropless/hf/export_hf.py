@@ -3,10 +3,12 @@
     dropless export-hf RUN_DIR --out DIR --family qwen3_moe|mixtral|deepseek_v3 [--dtype fp32|bf16]
                        [--max-shard-size-mb N]
 
-Writes `config.json`, the weights as safetensors shards of at most N MB with
+Writes `config.json`, the weights as safetensors shards of at most N MiB with
 `model.safetensors.index.json` (one `model.safetensors` when they fit in one), and the run's tokenizer
 files (those `import-hf` copied, or the folder of `data.tokenizer_path`), so that
 `transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads it with no missing or unexpected keys.
+config.json spells the rotary both as transformers 4.x reads it (`rope_theta`, `rope_scaling`) and as
+5.x does (`rope_parameters`), so every version the `hf` extra allows computes the same model (hf/rope.py).
 The names and layouts are hf/mapping.py's table read backwards: the per-expert layout that
 `save_pretrained` writes. A dropless config the family cannot express (sigmoid scores, group-limited
 routing, an expert bias, shared experts, ...) is a ValueError naming the field, before anything is
@@ -18,8 +20,9 @@ model computes the same logits without them (as DeepSeek-V3's own inference drop
 None of the three families has a place for dropless's dense MTP block; DeepSeek-V3's
 `num_nextn_predict_layers` describes an MoE one, and the export writes 0 there.
 
-Streaming: a shard's tensors are copied out of the model (cast to the output dtype) until the shard is
-full, written, and dropped, so at most one shard is held beside the model.
+Streaming: huggingface_hub's `split_torch_state_dict_into_shards` plans the shards from the tensors'
+shapes alone; each shard's tensors are then copied out of the model (cast to the output dtype),
+written, and dropped, so at most one shard is held beside the model.
 """
 
 from __future__ import annotations
@@ -30,64 +33,58 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Any
 
 import torch
 
 from ..model import MoEModel
 from . import mapping
-from .import_hf import INDEX_FILE, SINGLE_FILE, TOKENIZER_FILES, _safetensors
+from .import_hf import INDEX_FILE, TOKENIZER_FILES, _safetensors
 
 DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16")}
 
 
-def hf_tensors(model: MoEModel, family: str, dtype: torch.dtype = torch.float32
-               ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) for every tensor of the checkpoint, each a fresh contiguous copy."""
-    params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    for slot in mapping.slots(model.cfg, family):
-        p = params[slot.param].detach()
-        region = p[slot.index] if slot.index else p
-        t = region.transpose(-1, -2) if slot.transpose else region
-        yield slot.hf_name, t.to(dtype=dtype, device="cpu", copy=True).contiguous()
+def _split() -> Any:
+    try:
+        from huggingface_hub import split_torch_state_dict_into_shards
+    except ImportError as e:
+        raise ImportError("dropless export-hf needs `huggingface_hub` (installed with transformers): pip install "
+                          "huggingface_hub (or pip install 'dropless[hf]')") from e
+    return split_torch_state_dict_into_shards
 
 
-def write_shards(tensors: Iterator[tuple[str, torch.Tensor]], folder: Path, max_shard_bytes: int) -> list[str]:
-    """Write the tensors as shards of at most `max_shard_bytes` (a larger tensor gets a shard of its
-    own) and the index; returns the file names."""
+def hf_tensor(params: dict[str, torch.Tensor], slot: mapping.Slot, dtype: torch.dtype) -> torch.Tensor:
+    """The HF tensor of `slot`: a fresh contiguous CPU copy of its region of the dropless parameter."""
+    p = params[slot.param].detach()
+    region = p[slot.index] if slot.index else p
+    t = region.transpose(-1, -2) if slot.transpose else region
+    return t.to(dtype=dtype, device="cpu", copy=True).contiguous()
+
+
+def write_shards(model: MoEModel, family: str, dtype: torch.dtype, folder: Path, max_shard_bytes: int) -> list[str]:
+    """Write the model's HF tensors as safetensors shards of at most `max_shard_bytes` (a larger
+    tensor gets a shard of its own) and, when there are several, the index; returns the file names.
+
+    huggingface_hub plans the shards (sizes, file names, the index) from meta placeholders of the
+    output shapes and dtype, and each shard is then copied out, written and dropped (module note).
+    Its `save_torch_state_dict` is not used: it takes the whole state dict at once, made contiguous
+    up front (a second copy of the model), and cannot take the expert regions as views (its
+    shared-storage check fails on the strided gate / up halves of one parameter)."""
+    split = _split()
     _safetensors()
     from safetensors.torch import save_file
 
-    pending: dict[str, torch.Tensor] = {}
-    size, total, parts = 0, 0, []  # parts: (temporary name, tensor names)
-
-    def flush() -> None:
-        nonlocal pending, size
-        if pending:
-            name = f".part-{len(parts)}.safetensors"
-            save_file(pending, str(folder / name), metadata={"format": "pt"})
-            parts.append((name, list(pending)))
-            pending, size = {}, 0
-
-    for name, t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if pending and size + nbytes > max_shard_bytes:
-            flush()
-        pending[name] = t
-        size += nbytes
-        total += nbytes
-    flush()
-    if len(parts) == 1:
-        os.replace(folder / parts[0][0], folder / SINGLE_FILE)
-        return [SINGLE_FILE]
-    weight_map, files = {}, []
-    for i, (tmp, names) in enumerate(parts):
-        final = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
-        os.replace(folder / tmp, folder / final)
-        files.append(final)
-        weight_map.update({n: final for n in names})
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    table = {s.hf_name: s for s in mapping.slots(model, family)}
+    plan = split({n: torch.empty(s.shape, dtype=dtype, device="meta") for n, s in table.items()},
+                 max_shard_size=max_shard_bytes)
+    params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    for filename, names in plan.filename_to_tensors.items():
+        shard = {n: hf_tensor(params, table[n], dtype) for n in names}
+        save_file(shard, str(folder / filename), metadata={"format": "pt"})
+    files = list(plan.filename_to_tensors)
+    if plan.is_sharded:
+        index = {"metadata": plan.metadata, "weight_map": plan.tensor_to_filename}
+        (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     return files
 
 
@@ -131,7 +128,7 @@ def export(run_dir: str | Path, out: str | Path, family: str, dtype: str = "fp32
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
-        files = write_shards(hf_tensors(model, family, torch_dtype), tmp, int(max_shard_mb * 2**20))
+        files = write_shards(model, family, torch_dtype, tmp, int(max_shard_mb * 2**20))
         if tok is not None:
             for n in TOKENIZER_FILES:
                 if (tok / n).is_file():

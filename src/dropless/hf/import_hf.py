@@ -5,9 +5,10 @@
 DIR holds `config.json`, the weights (`model.safetensors`, or shards listed by
 `model.safetensors.index.json`) and the tokenizer (`tokenizer.json`, with its companion files). The
 run directory gets a step-0 checkpoint in the trainer's format, its `config.toml` (the model from
-config.json via hf/mapping.py, `data.tokenizer="hf"`, fine-tuning defaults for the rest, `--set`
-overrides on top) and a copy of the tokenizer files under `tokenizer/`; `dropless train --resume`,
-`generate`, `evaluate` and `diagnose` take it as any run.
+config.json via hf/mapping.py, where a key it omits takes transformers' default (hf/defaults.py);
+`data.tokenizer="hf"`, fine-tuning defaults for the rest, `--set` overrides on top) and a copy of
+the tokenizer files under `tokenizer/`; `dropless train --resume`, `generate`, `evaluate` and
+`diagnose` take it as any run.
 
 Streaming: the shards are read one tensor at a time through safetensors' memory map and copied
 straight into the model's (fp32) parameters, the experts into their region of the stacked
@@ -98,9 +99,9 @@ def _tensors(path: Path, only: str | None = None) -> Iterator[tuple[str, torch.T
 @torch.no_grad()
 def load_weights(model: MoEModel, hf_dir: str | Path, family: str, progress: bool = False) -> None:
     """Fill `model` (built from the same config.json) from the checkpoint's shards (module note)."""
-    cfg = model.cfg
-    table = {s.hf_name: s for s in mapping.slots(cfg, family)}
-    alternates = {s.hf_name: s for s in mapping.fused_slots(cfg, family)}
+    n_layers, tied = len(model.blocks), model.head.weight is model.embed.weight
+    table = {s.hf_name: s for s in mapping.slots(model, family)}
+    alternates = {s.hf_name: s for s in mapping.fused_slots(model, family)}
     params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     filled: dict[str, int] = defaultdict(int)
     seen: set[str] = set()
@@ -116,11 +117,11 @@ def load_weights(model: MoEModel, hf_dir: str | Path, family: str, progress: boo
             slot = table.get(name) or alternates.get(name)
             if slot is None:
                 layer = _layer_index(name)
-                if family == "deepseek_v3" and layer is not None and layer >= cfg.n_layers:
+                if family == "deepseek_v3" and layer is not None and layer >= n_layers:
                     mtp.add(layer)  # a multi-token-prediction layer: not part of the model
                 elif name.endswith(fp8.SCALE_SUFFIX) and block is not None:
                     pass  # read with its weight
-                elif not (name == "lm_head.weight" and cfg.tie_embeddings) and not name.endswith(IGNORED_SUFFIXES):
+                elif not (name == "lm_head.weight" and tied) and not name.endswith(IGNORED_SUFFIXES):
                     unexpected.append(name)
                 continue
             if t.dtype in fp8.FP8_DTYPES and block is not None:
@@ -139,7 +140,7 @@ def load_weights(model: MoEModel, hf_dir: str | Path, family: str, progress: boo
             seen.add(name)
     if mtp:
         warnings.warn(f"{hf_dir}: skipped the multi-token-prediction layer(s) {sorted(mtp)} (layer index >= "
-                      f"num_hidden_layers={cfg.n_layers}): dropless neither trains nor exports MTP layers",
+                      f"num_hidden_layers={n_layers}): dropless neither trains nor exports MTP layers",
                       stacklevel=2)
     if unexpected:
         raise ValueError(f"unexpected tensors (not part of a {family} model with this config.json): "

@@ -4,11 +4,18 @@ tensor map (DeepSeek-V3's own parts: hf/deepseek.py).
 Legend: E experts, D model width, F hidden width of one expert (or of the dense MLP), Hq query heads,
 Hkv key/value heads, Dh head width, V vocabulary.
 
-One table serves both directions. `slots(cfg, family)` lists every tensor of the HF checkpoint as a
+One table serves both directions. `slots(model, family)` lists every tensor of the HF checkpoint as a
 `Slot`: its HF name and shape, the dropless parameter it lives in, the region of that parameter
 (`index`) and whether the HF tensor is that region transposed. Import copies each HF tensor into its
-region; export reads each region back out. The round trip is therefore the identity by construction,
-and a test checks it against transformers' own files.
+region; export reads each region back out. The round trip through this table alone is the identity
+whatever the table says, so the tests check it against transformers itself: its logits on the
+original checkpoint, on dropless's import and on the export (tests/test_hf_parity.py).
+
+The built modules are the truth about shapes: every width and count here (heads, head widths, expert
+counts and widths, latent ranks, which layers are MoE) is read from the model's modules and
+parameters, not derived again from config fields; `hf_config` builds the model on the meta device
+for that. A config.json key the file omits means transformers' default (hf/defaults.py); the rotary
+is read and written in both transformers 4.x's and 5.x's spelling (hf/rope.py).
 
 The layouts (what transformers 4.x and 5.x `save_pretrained` write; 5.x fuses the experts in memory
 and converts back on save):
@@ -49,14 +56,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..config import ModelConfig
+from ..model import MoEModel
 from ..moe_config import BalanceConfig, MoEConfig, RouterConfig
-from . import deepseek
+from . import deepseek, rope
+from .defaults import Fields, refuse
 
 FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
 ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                  "deepseek_v3": "DeepseekV3ForCausalLM"}
-_MISSING = object()
 
 
 @dataclass(frozen=True)
@@ -68,89 +78,63 @@ class Slot:
     transpose: bool = False  # the HF tensor is the region with its last two dims swapped
 
 
-def _refuse(field: str, value: Any, why: str) -> None:
-    raise ValueError(f"config.json {field}={value!r}: {why}")
-
-
-def _field(hf: dict[str, Any], name: str, default: Any = _MISSING) -> Any:
-    if name in hf and hf[name] is not None:
-        return hf[name]
-    if default is _MISSING:
-        _refuse(name, None, "missing (a field this family's config always has)")
-    return default
-
-
-def rope_theta(hf: dict[str, Any]) -> float:
-    """The rotary base from `rope_parameters` (transformers 5) or `rope_theta` (4.x); only the plain
-    rotary ("default" type) is expressible: scaled variants (yarn, linear, dynamic...) are refused."""
-    params = hf.get("rope_parameters")
-    if params is not None:
-        kind = params.get("rope_type", params.get("type", "default"))
-        if kind != "default":
-            _refuse("rope_parameters.rope_type", kind, "only the plain rotary ('default') is supported")
-        return float(params["rope_theta"])
-    if hf.get("rope_scaling") is not None:
-        _refuse("rope_scaling", hf["rope_scaling"], "rotary scaling is not supported (plain rotary only)")
-    return float(_field(hf, "rope_theta", 1e6 if hf.get("model_type") == "mixtral" else 10000.0))
-
-
-def _dense_layers(hf: dict[str, Any], n_layers: int, num_experts: int) -> int:
+def _dense_layers(n_layers: int, num_experts: int, mlp_only: list[int], step: int) -> int:
     """Qwen3-MoE's rule for which layers are dense, as dropless's `n_dense_layers` (a prefix)."""
-    mlp_only = list(hf.get("mlp_only_layers") or [])
-    step = int(hf.get("decoder_sparse_step", 1) or 1)
     moe = [i for i in range(n_layers) if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0]
     dense = [i for i in range(n_layers) if i not in moe]
     if not moe:
-        _refuse("num_experts", num_experts, "no MoE layer: a dense model (dropless imports MoE models)")
+        refuse("num_experts", num_experts, "no MoE layer: a dense model (dropless imports MoE models)")
     if dense != list(range(len(dense))):
         field, value = ("decoder_sparse_step", step) if step != 1 else ("mlp_only_layers", mlp_only)
-        _refuse(field, value, f"dense layers {dense} are not the first ones; dropless puts dense layers "
-                "first (model.n_dense_layers), then MoE layers")
+        refuse(field, value, f"dense layers {dense} are not the first ones; dropless puts dense layers "
+               "first (model.n_dense_layers), then MoE layers")
     return len(dense)
 
 
 def model_config(hf: dict[str, Any]) -> tuple[ModelConfig, str]:
-    """A dropless ModelConfig equal to an HF config.json (as a dict), and its family; a ValueError
-    naming the HF field for anything dropless cannot express."""
+    """A dropless ModelConfig equal to an HF config.json (as a dict), and its family; a key the file
+    omits is transformers' default (hf/defaults.py); a ValueError naming the HF field for anything
+    dropless cannot express."""
     family = hf.get("model_type")
     if family not in FAMILIES:
-        _refuse("model_type", family, f"supported families: {', '.join(FAMILIES)}")
-    if _field(hf, "hidden_act", "silu") != "silu":
-        _refuse("hidden_act", hf["hidden_act"], "only silu (SwiGLU experts) is supported")
-    if float(hf.get("attention_dropout", 0.0) or 0.0) != 0.0:
-        _refuse("attention_dropout", hf["attention_dropout"], "dropless has no attention dropout")
+        refuse("model_type", family, f"supported families: {', '.join(FAMILIES)}")
+    f = Fields(hf, family)
+    if f("hidden_act") != "silu":
+        refuse("hidden_act", f("hidden_act"), "only silu (SwiGLU experts) is supported")
+    if float(f("attention_dropout")) != 0.0:
+        refuse("attention_dropout", f("attention_dropout"), "dropless has no attention dropout")
     if family == "deepseek_v3":
-        return deepseek.model_config(hf, _field, _refuse, rope_theta), family
-    d, n_layers, H = _field(hf, "hidden_size"), _field(hf, "num_hidden_layers"), _field(hf, "num_attention_heads")
-    max_pos = _field(hf, "max_position_embeddings")
+        return deepseek.model_config(f), family
+    d, n_layers, H, max_pos = f("hidden_size"), f("num_hidden_layers"), f("num_attention_heads"), f("max_position_embeddings")
     if family == "qwen3_moe":
-        if hf.get("use_sliding_window"):
-            _refuse("use_sliding_window", True, "sliding-window attention is not supported")
-        E, d_expert = _field(hf, "num_experts", _field(hf, "num_local_experts", 0)), _field(hf, "moe_intermediate_size")
-        n_dense = _dense_layers(hf, n_layers, E)
-        renorm, qk_norm, bias = bool(hf.get("norm_topk_prob", False)), True, bool(hf.get("attention_bias", False))
-        d_ff_dense = int(hf.get("intermediate_size") or 1)  # read only by dense layers
+        if f("use_sliding_window"):
+            refuse("use_sliding_window", True, "sliding-window attention is not supported")
+        E, d_expert = f("num_experts"), f("moe_intermediate_size")
+        n_dense = _dense_layers(n_layers, E, list(f("mlp_only_layers") or []), int(f("decoder_sparse_step")))
+        renorm, qk_norm, bias = bool(f("norm_topk_prob")), True, bool(f("attention_bias"))
+        d_ff_dense = f("intermediate_size")  # read only by dense layers
     else:
-        window = hf.get("sliding_window")
+        window = f("sliding_window")
         if window is not None and window < max_pos:
-            _refuse("sliding_window", window, f"below max_position_embeddings={max_pos}: sliding-window "
-                    "attention is not supported")
-        if float(hf.get("router_jitter_noise", 0.0) or 0.0) != 0.0:
-            _refuse("router_jitter_noise", hf["router_jitter_noise"], "router jitter is not supported")
-        E, d_expert = _field(hf, "num_local_experts"), _field(hf, "intermediate_size")
+            refuse("sliding_window", window, f"below max_position_embeddings={max_pos}: sliding-window "
+                   "attention is not supported")
+        if float(f("router_jitter_noise")) != 0.0:
+            refuse("router_jitter_noise", f("router_jitter_noise"), "router jitter is not supported")
+        E, d_expert = f("num_local_experts"), f("intermediate_size")
         n_dense, renorm, qk_norm, bias, d_ff_dense = 0, True, False, False, 512
-    K = _field(hf, "num_experts_per_tok")
+    K = f("num_experts_per_tok")
     router = RouterConfig(score_func="softmax", pre_softmax=True, renormalize=renorm,
                           norm_top_k=1 if (K == 1 and renorm) else None)
-    aux = float(hf.get("router_aux_loss_coef", 0.001)) * K / (n_layers - n_dense)
+    aux = float(f("router_aux_loss_coef")) * K / (n_layers - n_dense)
     moe = MoEConfig(num_experts=E, top_k=K, d_expert=d_expert, activation="swiglu", router=router,
                     balance=BalanceConfig(aux_loss_coeff=aux, z_loss_coeff=0.0))
+    kv, head_dim = f("num_key_value_heads"), f("head_dim")
+    theta, _ = rope.read(f)
     cfg = ModelConfig(
-        vocab_size=_field(hf, "vocab_size"), d_model=d, n_layers=n_layers, n_heads=H,
-        n_kv_heads=_field(hf, "num_key_value_heads", H), head_dim=_field(hf, "head_dim", d // H),
-        qk_norm=qk_norm, attn_bias=bias, max_seq_len=max_pos, n_dense_layers=n_dense, d_ff_dense=d_ff_dense,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_theta=rope_theta(hf),
-        norm_eps=float(_field(hf, "rms_norm_eps")), init_std=float(hf.get("initializer_range", 0.02)), moe=moe)
+        vocab_size=f("vocab_size"), d_model=d, n_layers=n_layers, n_heads=H, n_kv_heads=H if kv is None else kv,
+        head_dim=head_dim or d // H, qk_norm=qk_norm, attn_bias=bias, max_seq_len=max_pos, n_dense_layers=n_dense,
+        d_ff_dense=d_ff_dense, tie_embeddings=bool(f("tie_word_embeddings")), rope_theta=theta,
+        norm_eps=float(f("rms_norm_eps")), init_std=float(f("initializer_range")), moe=moe)
     return cfg, family
 
 
@@ -214,37 +198,49 @@ def check_exportable(cfg: ModelConfig, family: str) -> None:
             _fail(field, value, family, why)
 
 
+def meta_model(cfg: ModelConfig) -> MoEModel:
+    """The model of `cfg` on the meta device: its modules and parameter shapes, no storage."""
+    with torch.device("meta"):
+        return MoEModel(cfg)
+
+
 def hf_config(cfg: ModelConfig, family: str, dtype: str = "float32") -> dict[str, Any]:
-    """The config.json of `cfg` as an HF `family` model (check_exportable first)."""
+    """The config.json of `cfg` as an HF `family` model (check_exportable first); the widths and
+    counts are read from the model's modules (built on the meta device)."""
     check_exportable(cfg, family)
-    m = cfg.moe
+    model = meta_model(cfg)
+    V, D = model.embed.weight.shape
+    attn, moe = model.blocks[0].attn, model.moe_layers()
+    E, F, _ = moe[0].experts.w_down_EFD.shape
+    dense = [b.ffn for b in model.blocks if not b.is_moe]
     out: dict[str, Any] = {
         "architectures": [ARCHITECTURES[family]], "model_type": family, "dtype": dtype,
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads,
+        "vocab_size": V, "hidden_size": D, "num_hidden_layers": len(model.blocks),
+        "num_attention_heads": attn.n_heads, "num_key_value_heads": getattr(attn, "n_kv_heads", attn.n_heads),
         "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "initializer_range": cfg.init_std,
-        "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "attention_dropout": 0.0, "num_experts_per_tok": m.top_k, "output_router_logits": False,
-        "router_aux_loss_coef": m.balance.aux_loss_coeff * cfg.n_moe_layers / m.top_k, "use_cache": True,
+        "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": model.head.weight is model.embed.weight,
+        **rope.hf_keys(cfg), "attention_dropout": 0.0, "num_experts_per_tok": cfg.moe.top_k,
+        "output_router_logits": False, "use_cache": True,
+        "router_aux_loss_coef": cfg.moe.balance.aux_loss_coeff * len(moe) / cfg.moe.top_k,
         # unknown here (export fills them from the tokenizer's generation_config.json); explicit, so
         # that no family default (Mixtral: bos 1, eos 2) is taken for this tokenizer's ids
         "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
     }
-    if family != "deepseek_v3":
-        out["head_dim"] = cfg.head_width  # (DeepSeek-V3's config derives it: qk_rope_head_dim)
+    d_ff_dense = dense[0].down.weight.shape[1] if dense else cfg.d_ff_dense  # (no dense layer: never read)
     if family == "deepseek_v3":
-        out.update(deepseek.hf_config(cfg))
+        out.update(deepseek.hf_config(attn, moe[0], len(dense), d_ff_dense))
         out["norm_topk_prob"] = renormalises(cfg)
         del out["router_aux_loss_coef"]  # (the family has no aux loss field; its rule: hf/deepseek.py)
-    elif family == "qwen3_moe":
-        out.update({"num_experts": m.num_experts, "moe_intermediate_size": m.d_expert,
-                    "norm_topk_prob": renormalises(cfg), "decoder_sparse_step": 1,
-                    "mlp_only_layers": list(range(cfg.n_dense_layers)), "intermediate_size": cfg.d_ff_dense,
-                    "attention_bias": cfg.attn_bias, "use_sliding_window": False, "sliding_window": None})
+        return out
+    out["head_dim"] = attn.head_dim  # (DeepSeek-V3's config derives it: qk_rope_head_dim)
+    if family == "qwen3_moe":
+        out.update({"num_experts": E, "moe_intermediate_size": F, "norm_topk_prob": renormalises(cfg),
+                    "decoder_sparse_step": 1, "mlp_only_layers": list(range(len(dense))),
+                    "intermediate_size": d_ff_dense, "attention_bias": attn.qkv.bias is not None,
+                    "use_sliding_window": False, "sliding_window": None})
     else:
-        out.update({"num_local_experts": m.num_experts, "intermediate_size": m.d_expert,
-                    "sliding_window": None, "router_jitter_noise": 0.0})
+        out.update({"num_local_experts": E, "intermediate_size": F, "sliding_window": None,
+                    "router_jitter_noise": 0.0})
     return out
 
 
@@ -256,68 +252,91 @@ def _expert_names(family: str) -> tuple[str, str, str]:
     return ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
 
 
-def slots(cfg: ModelConfig, family: str) -> list[Slot]:
+class _Slots:
+    """Makes the Slots of one model: each shape is the shape of the parameter region it maps to."""
+
+    def __init__(self, model: MoEModel) -> None:
+        self.params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+    def __contains__(self, param: str) -> bool:
+        return param in self.params
+
+    def __call__(self, hf_name: str, param: str, index: tuple[Any, ...] = (), transpose: bool = False) -> Slot:
+        shape = tuple((self.params[param][index] if index else self.params[param]).shape)
+        if transpose:
+            shape = (*shape[:-2], shape[-1], shape[-2])
+        return Slot(hf_name, shape, param, index, transpose)
+
+
+def slots(model: MoEModel, family: str) -> list[Slot]:
     """Every tensor of the HF checkpoint (the per-expert layout save_pretrained writes), in the
-    module note's map."""
-    D, V = cfg.d_model, cfg.vocab_size
-    out = [Slot("model.embed_tokens.weight", (V, D), "embed.weight"), Slot("model.norm.weight", (D,), "norm.weight")]
-    if not cfg.tie_embeddings:
-        out.append(Slot("lm_head.weight", (V, D), "head.weight"))
-    for i in range(cfg.n_layers):
+    module note's map; the shapes are `model`'s (which may live on the meta device)."""
+    slot = _Slots(model)
+    out = [slot("model.embed_tokens.weight", "embed.weight"), slot("model.norm.weight", "norm.weight")]
+    if "head.weight" in slot:  # (tied: named_parameters lists the shared weight once, as embed.weight)
+        out.append(slot("lm_head.weight", "head.weight"))
+    for i, block in enumerate(model.blocks):
         hf, dl = f"model.layers.{i}.", f"blocks.{i}."
-        out += [Slot(hf + "input_layernorm.weight", (D,), dl + "attn_norm.weight"),
-                Slot(hf + "post_attention_layernorm.weight", (D,), dl + "ffn_norm.weight")]
-        if cfg.attention == "mla":
-            out += deepseek.attention_slots(cfg, hf, dl, Slot)
-        else:
-            out += _attention_slots(cfg, hf, dl)
-        if i < cfg.n_dense_layers:  # Qwen3's or DeepSeek's dense MLP (check_exportable keeps Mixtral all-MoE)
-            F = cfg.d_ff_dense
-            out += [Slot(hf + "mlp.gate_proj.weight", (F, D), dl + "ffn.gate_up.weight", (slice(0, F),)),
-                    Slot(hf + "mlp.up_proj.weight", (F, D), dl + "ffn.gate_up.weight", (slice(F, 2 * F),)),
-                    Slot(hf + "mlp.down_proj.weight", (D, F), dl + "ffn.down.weight")]
-            continue
-        p, E, F = _moe_prefix(family, i), cfg.moe.num_experts, cfg.moe.d_expert
-        gate, up, down = _expert_names(family)
-        w1, w2 = dl + "ffn.experts.w_gate_up_EDF", dl + "ffn.experts.w_down_EFD"
-        out.append(Slot(p + ".gate.weight", (E, D), dl + "ffn.router.weight"))
+        out += [slot(hf + "input_layernorm.weight", dl + "attn_norm.weight"),
+                slot(hf + "post_attention_layernorm.weight", dl + "ffn_norm.weight")]
         if family == "deepseek_v3":
-            out += deepseek.moe_extra_slots(cfg, hf, dl, Slot)
+            out += deepseek.attention_slots(hf, dl, slot)
+        else:
+            out += _attention_slots(block.attn, hf, dl, slot)
+        if not block.is_moe:  # Qwen3's or DeepSeek's dense MLP (check_exportable keeps Mixtral all-MoE)
+            out += _mlp_slots(block.ffn, hf + "mlp.", dl + "ffn.", slot)
+            continue
+        p, (gate, up, down) = _moe_prefix(family, i), _expert_names(family)
+        w1, w2 = dl + "ffn.experts.w_gate_up_EDF", dl + "ffn.experts.w_down_EFD"
+        E, F, _ = block.ffn.experts.w_down_EFD.shape
+        out.append(slot(p + ".gate.weight", dl + "ffn.router.weight"))
+        if family == "deepseek_v3":
+            out.append(slot(hf + "mlp.gate.e_score_correction_bias", dl + "ffn.router.expert_bias"))
+            out += _mlp_slots(block.ffn.shared, hf + "mlp.shared_experts.", dl + "ffn.shared.", slot)
         for e in range(E):
             x = f"{p}.experts.{e}."
-            out += [Slot(x + gate + ".weight", (F, D), w1, (e, slice(None), slice(0, F)), True),
-                    Slot(x + up + ".weight", (F, D), w1, (e, slice(None), slice(F, 2 * F)), True),
-                    Slot(x + down + ".weight", (D, F), w2, (e,), True)]
+            out += [slot(x + gate + ".weight", w1, (e, slice(None), slice(0, F)), True),
+                    slot(x + up + ".weight", w1, (e, slice(None), slice(F, 2 * F)), True),
+                    slot(x + down + ".weight", w2, (e,), True)]
     return out
 
 
-def _attention_slots(cfg: ModelConfig, hf: str, dl: str) -> list[Slot]:
+def _mlp_slots(mlp: torch.nn.Module, hf: str, dl: str, slot: _Slots) -> list[Slot]:
+    """A SwiGLU MLP (a dense layer's, or DeepSeek's shared experts): gate and up are the two halves
+    of the fused gate_up rows."""
+    F = mlp.down.weight.shape[1]
+    return [slot(hf + "gate_proj.weight", dl + "gate_up.weight", (slice(0, F),)),
+            slot(hf + "up_proj.weight", dl + "gate_up.weight", (slice(F, 2 * F),)),
+            slot(hf + "down_proj.weight", dl + "down.weight")]
+
+
+def _attention_slots(attn: torch.nn.Module, hf: str, dl: str, slot: _Slots) -> list[Slot]:
     """One layer's multi-head / grouped-query attention (the module note's first rows)."""
-    D, Dh = cfg.d_model, cfg.head_width
-    Hq, Hkv = cfg.n_heads * Dh, cfg.kv_heads * Dh  # rows of the q and of the k (or v) projection
+    Hq, Hkv = attn.n_heads * attn.head_dim, attn.n_kv_heads * attn.head_dim  # rows of q, of k (or v)
     a, qkv = hf + "self_attn.", dl + "attn.qkv."
-    out = [Slot(a + "o_proj.weight", (D, Hq), dl + "attn.out.weight")]
+    out = [slot(a + "o_proj.weight", dl + "attn.out.weight")]
     rows = {"q_proj": slice(0, Hq), "k_proj": slice(Hq, Hq + Hkv), "v_proj": slice(Hq + Hkv, Hq + 2 * Hkv)}
     for name, r in rows.items():
-        out.append(Slot(f"{a}{name}.weight", (r.stop - r.start, D), qkv + "weight", (r,)))
-        if cfg.attn_bias:
-            out.append(Slot(f"{a}{name}.bias", (r.stop - r.start,), qkv + "bias", (r,)))
-    if cfg.attn_bias:
-        out.append(Slot(a + "o_proj.bias", (D,), dl + "attn.out.bias"))
-    if cfg.qk_norm:
-        out += [Slot(a + "q_norm.weight", (Dh,), dl + "attn.q_norm.weight"),
-                Slot(a + "k_norm.weight", (Dh,), dl + "attn.k_norm.weight")]
+        out.append(slot(f"{a}{name}.weight", qkv + "weight", (r,)))
+        if qkv + "bias" in slot:
+            out.append(slot(f"{a}{name}.bias", qkv + "bias", (r,)))
+    if dl + "attn.out.bias" in slot:
+        out.append(slot(a + "o_proj.bias", dl + "attn.out.bias"))
+    if dl + "attn.q_norm.weight" in slot:
+        out += [slot(a + "q_norm.weight", dl + "attn.q_norm.weight"),
+                slot(a + "k_norm.weight", dl + "attn.k_norm.weight")]
     return out
 
 
-def fused_slots(cfg: ModelConfig, family: str) -> list[Slot]:
+def fused_slots(model: MoEModel, family: str) -> list[Slot]:
     """The experts in transformers 5's fused in-memory layout (import only; module note)."""
-    out = []
-    E, D, F = cfg.moe.num_experts, cfg.d_model, cfg.moe.d_expert
-    for i in range(cfg.n_dense_layers, cfg.n_layers):
+    slot, out = _Slots(model), []
+    for i, block in enumerate(model.blocks):
+        if not block.is_moe:
+            continue
         hf, dl = f"model.layers.{i}.mlp.", f"blocks.{i}.ffn."
-        out += [Slot(hf + "experts.gate_up_proj", (E, 2 * F, D), dl + "experts.w_gate_up_EDF", (), True),
-                Slot(hf + "experts.down_proj", (E, D, F), dl + "experts.w_down_EFD", (), True)]
+        out += [slot(hf + "experts.gate_up_proj", dl + "experts.w_gate_up_EDF", (), True),
+                slot(hf + "experts.down_proj", dl + "experts.w_down_EFD", (), True)]
         if family == "mixtral":
-            out.append(Slot(hf + "gate.weight", (E, D), dl + "router.weight"))
+            out.append(slot(hf + "gate.weight", dl + "router.weight"))
     return out

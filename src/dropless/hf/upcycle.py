@@ -38,31 +38,30 @@ import torch
 from ..config import ModelConfig, RunConfig
 from ..model import MoEModel
 from ..moe_config import MoEConfig, RouterConfig
-from . import mapping
+from . import rope
+from .defaults import Fields, refuse
 from .import_hf import check_out, load_weights, read_config, run_config, save_run, shard_files
 
 DENSE_FAMILIES = ("qwen3", "llama")
 
 
-def _refuse(field: str, value: Any, why: str) -> None:
-    raise ValueError(f"config.json {field}={value!r}: {why}")
-
-
 def dense_config(hf: dict[str, Any], experts: int, top_k: int, granularity: int = 1) -> ModelConfig:
     """The dense checkpoint as a dropless model whose layers are all dense (n_dense_layers = n_layers),
-    carrying the MoE shape the upcycled model will have."""
+    carrying the MoE shape the upcycled model will have; a key config.json omits is transformers'
+    default (hf/defaults.py)."""
     family = hf.get("model_type")
     if family not in DENSE_FAMILIES:
-        _refuse("model_type", family, f"upcycle reads dense {' / '.join(DENSE_FAMILIES)} checkpoints")
-    if hf.get("hidden_act", "silu") != "silu":
-        _refuse("hidden_act", hf["hidden_act"], "only silu (SwiGLU MLPs) is supported")
-    if hf.get("mlp_bias"):
-        _refuse("mlp_bias", True, "the experts have no biases")
-    if hf.get("use_sliding_window"):
-        _refuse("use_sliding_window", True, "sliding-window attention is not supported")
-    if float(hf.get("attention_dropout", 0.0) or 0.0) != 0.0:
-        _refuse("attention_dropout", hf["attention_dropout"], "dropless has no attention dropout")
-    F, H = int(hf["intermediate_size"]), int(hf["num_attention_heads"])
+        refuse("model_type", family, f"upcycle reads dense {' / '.join(DENSE_FAMILIES)} checkpoints")
+    f = Fields(hf, family)
+    if f("hidden_act") != "silu":
+        refuse("hidden_act", f("hidden_act"), "only silu (SwiGLU MLPs) is supported")
+    if family == "llama" and f("mlp_bias"):
+        refuse("mlp_bias", True, "the experts have no biases")
+    if family == "qwen3" and f("use_sliding_window"):
+        refuse("use_sliding_window", True, "sliding-window attention is not supported")
+    if float(f("attention_dropout")) != 0.0:
+        refuse("attention_dropout", f("attention_dropout"), "dropless has no attention dropout")
+    F, H, d = int(f("intermediate_size")), int(f("num_attention_heads")), int(f("hidden_size"))
     for flag, v in (("--experts", experts), ("--top-k", top_k), ("--granularity", granularity)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{flag} {v!r}: must be an integer >= 1")
@@ -75,14 +74,15 @@ def dense_config(hf: dict[str, Any], experts: int, top_k: int, granularity: int 
         raise ValueError(f"--top-k {top_k}: exceeds --experts {experts}")
     moe = MoEConfig(num_experts=experts, top_k=top_k, d_expert=F // granularity, activation="swiglu",
                     router=RouterConfig(score_func="softmax", pre_softmax=True, renormalize=True))
-    n_layers = int(hf["num_hidden_layers"])
+    n_layers, kv, head_dim = int(f("num_hidden_layers")), f("num_key_value_heads"), f("head_dim")
+    theta, _ = rope.read(f)
     return ModelConfig(
-        vocab_size=int(hf["vocab_size"]), d_model=int(hf["hidden_size"]), n_layers=n_layers, n_heads=H,
-        n_kv_heads=int(hf.get("num_key_value_heads") or H), head_dim=int(hf.get("head_dim") or 0),
-        qk_norm=family == "qwen3", attn_bias=bool(hf.get("attention_bias", False)),
-        max_seq_len=int(hf["max_position_embeddings"]), n_dense_layers=n_layers, d_ff_dense=F,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_theta=mapping.rope_theta(hf),
-        norm_eps=float(hf["rms_norm_eps"]), init_std=float(hf.get("initializer_range", 0.02)), moe=moe)
+        vocab_size=int(f("vocab_size")), d_model=d, n_layers=n_layers, n_heads=H,
+        n_kv_heads=H if kv is None else int(kv), head_dim=int(head_dim or d // H),
+        qk_norm=family == "qwen3", attn_bias=bool(f("attention_bias")),
+        max_seq_len=int(f("max_position_embeddings")), n_dense_layers=n_layers, d_ff_dense=F,
+        tie_embeddings=bool(f("tie_word_embeddings")), rope_theta=theta,
+        norm_eps=float(f("rms_norm_eps")), init_std=float(f("initializer_range")), moe=moe)
 
 
 def load_dense(hf_dir: str | Path, experts: int = 1, top_k: int = 1, granularity: int = 1) -> MoEModel:
