@@ -6,11 +6,15 @@ per token, E experts (L on this rank under expert parallelism), R rows of the ex
 
 Why a measurement, not a formula: what a layer saves changes whenever someone changes the layer
 (the lean MoE default removes whole [T*K, D] tensors); a hand formula would go stale silently. So
-one block of each kind (dense, MoE) is built from the config and run forward on *fake tensors*
+the model is built from the config on *fake tensors* and one block of each kind (dense, MoE) runs
+forward
 (`torch._subclasses.FakeTensorMode`: meta storage, no allocation, but the tensors claim to be on the
 CPU, so CPU autocast casts them as in training and SDPA takes the CPU flash kernel, which keeps the
 output and log-sum-exp as the GPU flash kernels do; on plain `meta` SDPA falls back to the math path
-and would count an [S, S] matrix per head that no training run keeps). The count is
+and would count an [S, S] matrix per head that no training run keeps). Every width comes from
+that model, never from config fields: its blocks, norm, head and MTP modules are the ones measured,
+a block's input is the embedding's output ([B, S, D] in its dtype) and its rotary tables are the
+model's own buffers (so an explicit head width or MLA's rotary part needs nothing here). The count is
 `dropless.saved_bytes.saved_bytes` (storages, once each, parameters excluded), plus two things
 that are alive during the backward but that autograd does not "save":
 - the inputs a recompute checkpoint keeps by reference (docs/memory.md: inside a checkpointed region
@@ -60,8 +64,8 @@ from ..config import ModelConfig
 from ..layers import offload as offload_mod
 from ..layers import recompute as recompute_mod
 from ..layers.experts import ExpertBatch, GroupedExperts
-from ..layers.mtp import MTPModule, mtp_loss
-from ..model import Block, RMSNorm, rotary_tables
+from ..layers.mtp import mtp_loss
+from ..model import Block, MoEModel
 from ..ops import grouped_gemm
 from ..ops.lean_experts import RowSource
 from ..saved_bytes import saved_bytes
@@ -242,94 +246,95 @@ def _plannable(cfg: ModelConfig) -> ModelConfig:
     return replace(cfg, moe=moe)
 
 
-def block_bytes(cfg: ModelConfig, batch: int, seq_len: int, bf16: bool, moe: bool) -> tuple[int, int]:
-    """Bytes one block keeps for its backward at [batch, seq_len] tokens: (on the device, moved to
-    host by model.offload) (module note)."""
-    cfg = _plannable(cfg)
-    with fake_world():
-        block = Block(cfg, moe=moe)
-        x = torch.empty(batch, seq_len, cfg.d_model, requires_grad=True)  # the fp32 residual stream
-        cos, sin = rotary_tables(seq_len, cfg.d_model // cfg.n_heads, cfg.rope_theta)
-
-        def run(x: torch.Tensor) -> Any:
-            out = block(x, cos, sin)
-            pack = _current_pack()
-            for t in _held_outputs(out):
-                pack(t)
-            return out
-
-        with _autocast(bf16), _checkpoints_count_inputs():
-            device = saved_bytes(run, x, exclude=[*block.parameters(), *block.buffers(), cos, sin],
-                                 include_inputs=False).bytes
-        return device, block.offloader.counter.bytes_to_host if block.offloader else 0
+def _stream(model: MoEModel, batch: int, seq_len: int) -> torch.Tensor:
+    """A block's input: the residual stream as the embedding makes it, [batch, seq_len, D]."""
+    w = model.embed.weight
+    return torch.empty(batch, seq_len, w.shape[1], dtype=w.dtype, requires_grad=True)
 
 
-def head_bytes(cfg: ModelConfig, batch: int, seq_len: int, bf16: bool) -> int:
+def _tables(model: MoEModel, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's rotary tables for positions 0..seq_len-1, as its forward slices them."""
+    return model.rope_cos[:seq_len], model.rope_sin[:seq_len]
+
+
+def block_bytes(model: MoEModel, block: Block, batch: int, seq_len: int, bf16: bool) -> tuple[int, int]:
+    """Bytes one of the fake model's blocks keeps for its backward at [batch, seq_len] tokens: (on
+    the device, moved to host by model.offload) (module note)."""
+    x = _stream(model, batch, seq_len)
+    cos, sin = _tables(model, seq_len)
+    counter = block.offloader.counter if block.offloader else None
+    moved = counter.bytes_to_host if counter else 0  # the model's blocks share one offloader
+
+    def run(x: torch.Tensor) -> Any:
+        out = block(x, cos, sin)
+        pack = _current_pack()
+        for t in _held_outputs(out):
+            pack(t)
+        return out
+
+    with _autocast(bf16), _checkpoints_count_inputs():
+        device = saved_bytes(run, x, exclude=[*block.parameters(), *block.buffers(), cos, sin],
+                             include_inputs=False).bytes
+    return device, counter.bytes_to_host - moved if counter else 0
+
+
+def head_bytes(model: MoEModel, batch: int, seq_len: int, bf16: bool) -> int:
     """The final norm, LM head and loss of a [batch, seq_len] micro-batch: their saved tensors (the
     last block's output among them only if an op saves it: the fused RMSNorm keeps its normalised
     copy instead, ops/rms_norm.py) and the logits the model returns."""
-    with fake_world():
-        norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        head = torch.nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        x = torch.empty(batch, seq_len, cfg.d_model, requires_grad=True)
-        targets = torch.zeros(batch * seq_len, dtype=torch.int64)
+    x = _stream(model, batch, seq_len)
+    targets = torch.zeros(batch * seq_len, dtype=torch.int64)
 
-        def run(x: torch.Tensor) -> torch.Tensor:
-            logits = head(norm(x))
-            _current_pack()(logits)
-            return F.cross_entropy(logits.float().view(batch * seq_len, -1), targets)
+    def run(x: torch.Tensor) -> torch.Tensor:
+        logits = model.head(model.norm(x))
+        _current_pack()(logits)
+        return F.cross_entropy(logits.float().view(batch * seq_len, -1), targets)
 
-        with _autocast(bf16):
-            params = [*norm.parameters(), *head.parameters()]
-            return saved_bytes(run, x, exclude=params, include_inputs=False).bytes
+    with _autocast(bf16):
+        params = [*model.norm.parameters(), *model.head.parameters()]
+        return saved_bytes(run, x, exclude=params, include_inputs=False).bytes
 
 
-def mtp_bytes(cfg: ModelConfig, batch: int, seq_len: int, bf16: bool) -> int:
-    """One multi-token prediction module (layers/mtp.py) fed a hidden state of `seq_len` positions
-    (module k: seq_len = S - k + 1; it runs on one position fewer): norms, projection, its dense
-    block, head and loss. Its input (the main model's last hidden state, or the previous module's
-    output) is counted where it was made."""
-    cfg = _plannable(cfg)
-    with fake_world():
-        module = MTPModule(cfg.d_model, Block(cfg, moe=False), lambda: RMSNorm(cfg.d_model, cfg.norm_eps))
-        embed = torch.nn.Embedding(cfg.vocab_size, cfg.d_model)
-        head = torch.nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        x = torch.empty(batch, seq_len, cfg.d_model, requires_grad=True)
-        targets = torch.zeros(batch, seq_len, dtype=torch.int64)
-        cos, sin = rotary_tables(seq_len, cfg.head_width, cfg.rope_theta)
+def mtp_bytes(model: MoEModel, k: int, batch: int, seq_len: int, bf16: bool) -> int:
+    """The model's k-th multi-token prediction module (layers/mtp.py), fed a hidden state of
+    `seq_len` positions (module k: seq_len = S - k + 1; it runs on one position fewer): norms,
+    projection, its dense block, head and loss. Its input (the main model's last hidden state, or
+    the previous module's output) is counted where it was made."""
+    module = model.mtp[k - 1]
+    x = _stream(model, batch, seq_len)
+    targets = torch.zeros(batch, seq_len, dtype=torch.int64)
+    cos, sin = _tables(model, seq_len)
 
-        def run(x: torch.Tensor) -> torch.Tensor:
-            return mtp_loss(torch.nn.ModuleList([module]), x, targets, embed, head, cos, sin)
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return mtp_loss(torch.nn.ModuleList([module]), x, targets, model.embed, model.head, cos, sin)
 
-        params = [*module.parameters(), *embed.parameters(), *head.parameters(), cos, sin]
-        with _autocast(bf16), _checkpoints_count_inputs():
-            return saved_bytes(run, x, exclude=params, include_inputs=False).bytes
+    params = [*module.parameters(), *model.embed.parameters(), *model.head.parameters(), cos, sin]
+    with _autocast(bf16), _checkpoints_count_inputs():
+        return saved_bytes(run, x, exclude=params, include_inputs=False).bytes
 
 
-def expert_bytes(cfg: ModelConfig, num_experts: int, rows: int, bf16: bool, local: bool = False) -> int:
-    """What the experts' GEMMs and activation keep for `rows` rows. `local`: as the one-device
+def expert_bytes(like: GroupedExperts, num_experts: int, rows: int, bf16: bool, local: bool = False) -> int:
+    """What `num_experts` experts of the model's kind (`like`: its widths, activation and precision)
+    keep for `rows` rows. `local`: as the one-device
     dispatcher runs them, with a row source (layers/dispatch.py): the lean experts keep a reference
     to the token rows and their indices (both counted where the block keeps them, so left out here)
     and no rows. Otherwise as the EP dispatcher runs them, without one: the lean experts keep the
     [rows, D] rows in the compute dtype (under autocast the cast copy, else the rows themselves),
     counted here."""
-    moe = _plannable(cfg).moe
-    width = moe.latent_dim or cfg.d_model  # LatentMoE: the experts' rows are latent rows
-    with fake_world():
-        experts = GroupedExperts(num_experts, width, moe.d_expert, moe.activation, moe.act_clamp,
-                                 moe.act_softcap, moe.backend if moe.capacity_factor is None else "grouped_mm",
-                                 moe.precision)
-        x_RD = torch.empty(rows, width, requires_grad=True)
-        w_R = torch.empty(rows, requires_grad=True)
-        offsets = torch.full((num_experts,), rows, dtype=torch.int32)
-        exclude = list(experts.parameters())
-        source = None
-        if local:
-            source = RowSource(torch.empty(rows, width), torch.empty(rows, dtype=torch.int64), False)
-            exclude += [source.x_TD, source.src_R]
-        with _autocast(bf16):
-            return saved_bytes(lambda x, w: experts(ExpertBatch(x, offsets, weights_R=w, source=source)), x_RD,
-                               w_R, exclude=exclude, include_inputs=False).bytes
+    _, width, _ = like.w_gate_up_EDF.shape  # LatentMoE: the experts' rows are latent rows
+    experts = GroupedExperts(num_experts, width, like.w_down_EFD.shape[1], like.kind, like.clamp,
+                             like.softcap, "grouped_mm", like.precision)
+    x_RD = torch.empty(rows, width, requires_grad=True)
+    w_R = torch.empty(rows, requires_grad=True)
+    offsets = torch.full((num_experts,), rows, dtype=torch.int32)
+    exclude = list(experts.parameters())
+    source = None
+    if local:
+        source = RowSource(torch.empty(rows, width), torch.empty(rows, dtype=torch.int64), False)
+        exclude += [source.x_TD, source.src_R]
+    with _autocast(bf16):
+        return saved_bytes(lambda x, w: experts(ExpertBatch(x, offsets, weights_R=w, source=source)), x_RD,
+                           w_R, exclude=exclude, include_inputs=False).bytes
 
 
 def experts_kept_on(cfg: ModelConfig) -> str:
@@ -348,20 +353,24 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, bf16: bool,
     """Per micro-batch on one rank. `ep_rows`: (local experts L, GEMM rows R) under expert
     parallelism, None on one device (module note)."""
     T = batch * seq_len
-    n_moe = cfg.n_moe_layers
-    n_dense = cfg.n_layers - n_moe  # the prefix and, with model.moe_layer_freq, the layers between
-    dense, dense_host = block_bytes(cfg, batch, seq_len, bf16, moe=False) if n_dense else (0, 0)
-    moe, moe_host = block_bytes(cfg, batch, seq_len, bf16, moe=True) if n_moe else (0, 0)
-    where = experts_kept_on(cfg)
-    if n_moe and ep_rows is not None and where != "recomputed":
-        L, R = ep_rows
-        E, K = cfg.moe.num_experts, cfg.moe.top_k
-        delta = expert_bytes(cfg, L, R, bf16) - expert_bytes(cfg, E, T * K, bf16, local=True)
-        if where == "host":
-            moe_host += delta
-        else:
-            moe += delta
-    head = head_bytes(cfg, batch, seq_len, bf16)
-    head += sum(mtp_bytes(cfg, batch, seq_len - k + 1, bf16) for k in range(1, cfg.mtp_depth + 1))
+    with fake_world():
+        model = MoEModel(_plannable(cfg))
+        moe_blocks = [b for b in model.blocks if b.is_moe]
+        dense_blocks = [b for b in model.blocks if not b.is_moe]
+        n_moe, n_dense = len(moe_blocks), len(dense_blocks)
+        dense, dense_host = block_bytes(model, dense_blocks[0], batch, seq_len, bf16) if n_dense else (0, 0)
+        moe, moe_host = block_bytes(model, moe_blocks[0], batch, seq_len, bf16) if n_moe else (0, 0)
+        where = experts_kept_on(cfg)
+        if n_moe and ep_rows is not None and where != "recomputed":
+            L, R = ep_rows
+            E, K = cfg.moe.num_experts, cfg.moe.top_k
+            experts = moe_blocks[0].ffn.experts
+            delta = expert_bytes(experts, L, R, bf16) - expert_bytes(experts, E, T * K, bf16, local=True)
+            if where == "host":
+                moe_host += delta
+            else:
+                moe += delta
+        head = head_bytes(model, batch, seq_len, bf16)
+        head += sum(mtp_bytes(model, k, batch, seq_len - k + 1, bf16) for k in range(1, len(model.mtp) + 1))
     return ActivationBytes(T, head, dense, moe, n_dense, n_moe,
                            dense_host, moe_host)
