@@ -34,7 +34,9 @@ Activation offload (`model.offload`, layers/offload.py) runs as in training: the
 with its offload scopes, whose saved-tensor hooks are inner to the counter's and take what is saved
 inside them (so the counter sees only what stays on the device), and the block's offload counter adds
 up what they move (`bytes_to_host`: the host bytes of the micro-batch). On fake tensors the host copy
-is a stand-in that records the storage's size and allocates nothing (`_HostCopyStandIn`).
+is a stand-in that records the storage's size and allocates nothing (fake_world.py, with the other
+stand-ins: the fp32 grouped GEMM, and attention with value heads narrower than the query heads,
+which MLA has).
 
 Expert parallelism changes only the expert GEMMs' row count (R: the received rows, which in the
 buffered mode are the fixed buffer of factor x the balanced need), so the MoE block is measured on one
@@ -56,19 +58,17 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..config import ModelConfig
-from ..layers import offload as offload_mod
 from ..layers import recompute as recompute_mod
 from ..layers.experts import ExpertBatch, GroupedExperts
 from ..layers.mtp import mtp_loss
 from ..model import Block, MoEModel
-from ..ops import grouped_gemm
 from ..ops.lean_experts import RowSource
 from ..saved_bytes import saved_bytes
+from .fake_world import fake_world, storage_key
 
 
 @dataclass(frozen=True)
@@ -97,10 +97,6 @@ class ActivationBytes:
         return self.total / self.tokens
 
 
-def _key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
 class _RegionReads(TorchDispatchMode):
     """Storages that ops read but that were not created inside the mode: a region's inputs."""
 
@@ -111,12 +107,12 @@ class _RegionReads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         for t in tree_flatten((args, kwargs))[0]:
-            if isinstance(t, torch.Tensor) and _key(t) not in self.created:
-                self.read.setdefault(_key(t), t)
+            if isinstance(t, torch.Tensor) and storage_key(t) not in self.created:
+                self.read.setdefault(storage_key(t), t)
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                self.created.add(_key(t))
+                self.created.add(storage_key(t))
         return out
 
 
@@ -153,76 +149,6 @@ def _checkpoints_count_inputs() -> Iterator[None]:
         yield
     finally:
         recompute_mod.checkpoint = real
-
-
-class _GroupedMMStandIn(torch.autograd.Function):
-    """fp32 grouped_mm on fake tensors: torch's meta kernel takes bf16 only (the CPU kernel takes
-    fp32 too). Keeps what aten's grouped_mm keeps for its backward: both operands and the offsets."""
-
-    @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-        ctx.save_for_backward(a, b, offs)
-        return a.new_empty(a.shape[0], b.shape[-1])
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):  # noqa: ANN001
-        raise RuntimeError("the planner's fake grouped_mm has no backward")
-
-
-def _grouped_mm_any_dtype(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = None,
-                          **kwargs: Any) -> torch.Tensor:
-    if a.dtype == torch.bfloat16:
-        return torch._grouped_mm(a, b, offs=offs, **kwargs)
-    return _GroupedMMStandIn.apply(a, b, offs)
-
-
-class _HostCopyStandIn:
-    """layers/offload.py's host copy on fake tensors: the storage's size, nothing allocated (the
-    real one would allocate a host storage of that size and copy a fake one into it)."""
-
-    def __init__(self, t: torch.Tensor, stream: Any) -> None:
-        self.device, self.nbytes, self.stream, self.restored = t.device, t.untyped_storage().nbytes(), None, None
-
-    def restore(self) -> torch.UntypedStorage:
-        raise RuntimeError("the planner's fake offload has no backward")
-
-
-_real_pack = offload_mod.OffloadScope.pack
-
-
-def _pack_fake(scope: offload_mod.OffloadScope, t: torch.Tensor) -> Any:
-    """OffloadScope.pack for fake tensors. The real one leaves every tensor subclass in place (it
-    moves plain tensors only), and on fake tensors every tensor is a FakeTensor: this takes a fake
-    plain tensor as the real pack takes a plain one (parameters, their views and the keep tensors
-    stay, each other storage is copied once) and counts it the same way."""
-    if (type(t) is not FakeTensor or t.layout != torch.strided or t.device.type != "cpu"
-            or _key(t) in scope.keep):
-        return _real_pack(scope, t)  # a parameter (or a view of one) or a kept table: left in place
-    count, key = scope.offloader.counter, _key(t)
-    if key not in scope.copies:
-        copy = offload_mod._HostCopy(t, None)
-        scope.copies[key] = (copy, t.untyped_storage())
-        count.storages += 1
-        count.bytes_to_host += copy.nbytes
-    count.tensors += 1
-    return t  # no backward runs here
-
-
-@contextlib.contextmanager
-def fake_world() -> Iterator[None]:
-    """Fake tensors on the 'cpu', with the grouped GEMM able to take fp32 there and the offload's
-    host copies counted, not made."""
-    real, real_copy = grouped_gemm._grouped_mm, offload_mod._HostCopy
-    grouped_gemm._grouped_mm = _grouped_mm_any_dtype
-    offload_mod._HostCopy = _HostCopyStandIn
-    offload_mod.OffloadScope.pack = _pack_fake
-    try:
-        with FakeTensorMode():
-            yield
-    finally:
-        grouped_gemm._grouped_mm = real
-        offload_mod._HostCopy = real_copy
-        offload_mod.OffloadScope.pack = _real_pack
 
 
 def _autocast(bf16: bool) -> contextlib.AbstractContextManager:
