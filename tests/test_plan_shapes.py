@@ -130,7 +130,8 @@ def test_plan_presets_are_the_published_models_and_plan(preset: str) -> None:
 
 # a spread of model knobs, each changing which parameters exist or how wide they are
 PARAM_CASES = {
-    "latent_identity": ["model.moe.latent_dim=128", "model.moe.latent_norm=true", "model.moe.n_identity_experts=2"],
+    "latent_identity": ["model.moe.latent_dim=128", "model.moe.latent_norm=true",
+                        "model.moe.n_identity_experts=2"],
     "mtp_untied": ["model.mtp_depth=2", "model.tie_embeddings=false"],
     "shared_dense": ["model.moe.n_shared_experts=2", "model.moe.d_shared=96", "model.n_dense_layers=2",
                      "model.d_ff_dense=320"],

@@ -101,7 +101,8 @@ def build(args: argparse.Namespace) -> tuple[RunConfig, int, int]:
     except (ValueError, FileNotFoundError) as e:  # its message names train's flag; here it is CONFIG
         msg = str(e).replace("--config", "CONFIG", 1)
         if isinstance(e, ValueError):  # the recipes of published runs are presets of plan's too
-            msg += f"; plan recipes: {', '.join(sorted('plan/' + q.stem for q in (PRESETS / 'plan').glob('*.toml')))}"
+            recipes = sorted(f"plan/{q.stem}" for q in (PRESETS / "plan").glob("*.toml"))
+            msg += f"; plan recipes: {', '.join(recipes)}"
         raise type(e)(msg) from None
     cfg = load_config(path, args.overrides)
     if args.pipeline > cfg.model.n_layers:

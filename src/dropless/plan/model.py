@@ -1,7 +1,8 @@
 """The bytes one rank holds in training, by component: the planner's arithmetic.
 
 Legend: W ranks, P = ep_size (EP group), edp = W / P (ranks holding the same experts), E experts,
-L = E / P local experts, T tokens per micro-batch per rank, K experts per token, D model width.
+L = E / P local experts, T tokens per micro-batch per rank, K experts per token, D the width of the
+rows the experts take (the model width, or LatentMoE's latent width).
 
 What each component is (the layout is distributed/parallelize.py's: EP, then FSDP2):
 - params: fp32 master weights. Every parameter is taken from the model built on the meta device
@@ -153,7 +154,8 @@ def _expected_rank_hits(E: int, K: int, L: int) -> float:
     return (E // L) * (1 - miss)
 
 
-def ep_buffer_bytes(cfg: RunConfig, tokens: int, bf16: bool, world: int, model: MoEModel | None = None) -> int:
+def ep_buffer_bytes(cfg: RunConfig, tokens: int, bf16: bool, world: int,
+                    model: MoEModel | None = None) -> int:
     """The all-to-all buffers of one MoE layer's forward on one rank (module note): each trip's
     input and output storage, as distributed/comm.py allocates them; 0 in one process (see ep_rows:
     any world > 1 has them, ep_size 1 included). `model`: cfg's model on the meta device."""
