@@ -6,17 +6,17 @@ per token, E experts (L on this rank under expert parallelism), R rows of the ex
 
 Why a measurement, not a formula: what a layer saves changes whenever someone changes the layer
 (the lean MoE default removes whole [T*K, D] tensors); a hand formula would go stale silently. So
-the model is built from the config on *fake tensors* and one block of each kind (dense, MoE) runs
-forward
-(`torch._subclasses.FakeTensorMode`: meta storage, no allocation, but the tensors claim to be on the
-CPU, so CPU autocast casts them as in training and SDPA takes the CPU flash kernel, which keeps the
-output and log-sum-exp as the GPU flash kernels do; on plain `meta` SDPA falls back to the math path
-and would count an [S, S] matrix per head that no training run keeps). Every width comes from
-that model, never from config fields: its blocks, norm, head and MTP modules are the ones measured,
-a block's input is the embedding's output ([B, S, D] in its dtype) and its rotary tables are the
-model's own buffers (so an explicit head width or MLA's rotary part needs nothing here). The count is
-`dropless.saved_bytes.saved_bytes` (storages, once each, parameters excluded), plus two things
-that are alive during the backward but that autograd does not "save":
+the model is built from the config and one block of each kind (dense, MoE) runs forward, all on
+*fake tensors* (`torch._subclasses.FakeTensorMode`: meta storage, no allocation, but the tensors
+claim to be on the CPU, so CPU autocast casts them as in training and SDPA takes the CPU flash
+kernel, which keeps the output and log-sum-exp as the GPU flash kernels do; on plain `meta` SDPA
+falls back to the math path and would count an [S, S] matrix per head that no training run keeps).
+Every width comes from that model, never from config fields: its blocks, norm, head and MTP
+modules are the ones measured, a block's input is the embedding's output ([B, S, D] in its dtype)
+and its rotary tables are the model's own buffers (so an explicit head width or MLA's rotary part
+needs nothing here). The count is `dropless.saved_bytes.saved_bytes` (storages, once each,
+parameters excluded), plus two things that are alive during the backward but that autograd does
+not "save":
 - the inputs a recompute checkpoint keeps by reference (docs/memory.md: inside a checkpointed region
   the checkpoint's own hooks shadow the counter, and the region's inputs, often closure-captured, are
   no saved tensors): every storage an op inside the region reads that the region did not create
