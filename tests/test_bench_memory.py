@@ -118,6 +118,18 @@ def test_floor_formula() -> None:
     assert bench.floor_bytes_per_token(1024, 8, 512, 2, gated=False) == 2 * 1024 + 2 * 8 * 512
 
 
+@pytest.mark.parametrize("activation,gated", [("swiglu", True), ("relu2", False)])
+def test_layer_floor_reads_the_expert_weights(activation: str, gated: bool) -> None:
+    # the floor of a built layer: D, F and the gate|up width (2F only for a gated activation) from
+    # its expert weights, K from its config; a 48-wide latent layer's rows are 48 wide, not d
+    from dropless.config import MoEConfig
+    from dropless.layers.moe import MoELayer
+
+    with torch.device("meta"):
+        layer = MoELayer(64, MoEConfig(num_experts=4, top_k=2, d_expert=16, activation=activation, latent_dim=48))
+    assert bench.layer_floor_bytes_per_token(layer, 2) == bench.floor_bytes_per_token(48, 2, 16, 2, gated=gated)
+
+
 def test_bench_memory_tiny_writes_every_key(tmp_path) -> None:
     out = tmp_path / "rows.json"
     threads = torch.get_num_threads()

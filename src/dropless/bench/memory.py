@@ -7,6 +7,8 @@ Per variant, two scopes:
   shapes and forced routing;
 - block: one whole decoder block (attention + norms + MoE, model.py's `Block`), the tokens as one
   sequence (B=1, S=T), H = D/64 heads (at least 1), its MoE part the same layer as in the layer scope.
+  The block and its rotary tables are those of a one-block `MoEModel`: every width (heads, rotary)
+  is the model's own, none is re-derived here.
 
 Columns:
 - saved_bytes_per_token: the bytes of every storage the forward keeps for the backward, divided by
@@ -22,7 +24,8 @@ Columns:
 - floor_bytes_per_token: the analytic floor of an MoE layer that keeps only its input and its
   expert pre-activations (the design of the fastest published MoE kernels, which re-gather rows and
   recompute the activation in backward): elem * D + elem * K * 2F for a gated activation (SwiGLU:
-  the gate and up halves), elem * D + elem * K * F otherwise; bf16 medium: 2*1024 + 2*8*2*512 =
+  the gate and up halves), elem * D + elem * K * F otherwise, D and F read from the layer's expert
+  weights; bf16 medium: 2*1024 + 2*8*2*512 =
   18,432 B. The block rows carry the same figure: the floor of their MoE part only (attention,
   norms and residuals keep more), so their saved/floor ratio is not a claim about a block floor.
 
@@ -53,7 +56,7 @@ from tqdm import tqdm
 from ..config import ModelConfig, MoEConfig
 from ..layers import recompute
 from ..layers.moe import MoELayer
-from ..model import Block, rotary_tables
+from ..model import Block, MoEModel
 from ..saved_bytes import SavedBytes, saved_bytes
 from . import hf_baseline
 from .layer import (DTYPES, _fwd_bwd, _params, add_shape_args, build_forwards, dims, draw_inputs,
@@ -63,7 +66,6 @@ from .timing import format_table, interleaved
 COLUMNS = ["scope", "variant", "saved_bytes_per_token", "saved_over_floor", "peak_bytes",
            "peak_over_start_bytes", "fwd_bwd_ms"]
 HEAD_WIDTH = 64
-GATED = {"swiglu"}  # activations whose expert pre-activation is 2F wide (gate and up)
 
 # (name in bench/layer.py's build_forwards) of each other layer-scope variant, in table order
 LAYER_VARIANTS = ("hf_transformers", "dense_same_shape")
@@ -72,6 +74,14 @@ LAYER_VARIANTS = ("hf_transformers", "dense_same_shape")
 def floor_bytes_per_token(d: int, k: int, f: int, elem_size: int, gated: bool = True) -> int:
     """Bytes per token of an MoE layer keeping only its input (d) and its K pre-activations."""
     return elem_size * d + elem_size * k * (2 * f if gated else f)
+
+
+def layer_floor_bytes_per_token(layer: MoELayer, elem_size: int) -> int:
+    """`floor_bytes_per_token` of `layer`, its widths read from its expert weights: the rows they
+    take (D), their hidden width (F) and whether gate|up is 2F wide (a gated activation)."""
+    _, d, up = layer.experts.w_gate_up_EDF.shape
+    f = layer.experts.w_down_EFD.shape[1]
+    return floor_bytes_per_token(d, layer.cfg.top_k, f, elem_size, gated=up == 2 * f)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,8 +150,9 @@ def _hf_block(block: Block, ids_BSK: torch.Tensor, cos_SF: torch.Tensor, sin_SF:
 BLOCK_VARIANTS: dict[str, Callable[..., Row | None]] = {"hf_transformers": _hf_block}
 
 
-def build_rows(shape: str, routing: str, dtype: torch.dtype, device: torch.device,
-               tokens: int | None = None, seed: int = 0) -> tuple[dict[tuple[str, str], Row], dict]:
+def build_rows(shape: str, routing: str, dtype: torch.dtype, device: torch.device, tokens: int | None = None,
+               seed: int = 0) -> tuple[dict[tuple[str, str], Row], dict, MoELayer]:
+    """The rows to measure, the routing metadata, and the MoE layer both scopes share."""
     forwards, meta = build_forwards(shape, routing, dtype, seed, device, only=LAYER_VARIANTS, tokens=tokens)
     T, D, E, K, Fw = dims(shape, tokens)
     x_TD, host_ids_TK = draw_inputs(shape, routing, dtype, seed, device, tokens)
@@ -153,13 +164,14 @@ def build_rows(shape: str, routing: str, dtype: torch.dtype, device: torch.devic
     cfg = ModelConfig(d_model=D, n_heads=H, max_seq_len=T, n_dense_layers=0, n_layers=1,
                       moe=MoEConfig(num_experts=E, top_k=K, d_expert=Fw))
     torch.manual_seed(seed)
-    block = Block(cfg, moe=True)
+    model = MoEModel(cfg)  # its one block and the rotary tables it reads (max_seq_len = T positions)
+    block = model.blocks[0]
     block.ffn = layer  # the layer scope's layer
     block.to(device=device, dtype=dtype)
     block.ffn.router.float()
     x_BSD = x_TD.detach().view(1, T, D).requires_grad_(True)
     ids_BSK = host_ids_TK.to(device).view(1, T, K)
-    cos_SF, sin_SF = (t.to(device) for t in rotary_tables(T, D // H, cfg.rope_theta))
+    cos_SF, sin_SF = model.rope_cos.to(device), model.rope_sin.to(device)
     for name, (modes, lean) in DROPLESS_VARIANTS.items():
         if "block" in modes:
             rows[("block", name)] = _dropless_block(block, ids_BSK, cos_SF, sin_SF, x_BSD, modes["block"], lean)
@@ -168,7 +180,7 @@ def build_rows(shape: str, routing: str, dtype: torch.dtype, device: torch.devic
         if row is not None:
             rows[("block", name)] = row
     meta["n_heads"] = H
-    return rows, meta
+    return rows, meta, layer
 
 
 def measure_saved(row: Row) -> SavedBytes:
@@ -200,10 +212,9 @@ def run(shape: str, routing: str, dtype: torch.dtype, device: torch.device, repe
         tokens: int | None = None, breakdown: bool = False) -> tuple[list[dict], dict]:
     """One row per variant and scope (and the floor row); with `breakdown`, each row also lists its
     saved storages as [shape, dtype, bytes per token] in the order autograd saved them."""
-    rows, meta = build_rows(shape, routing, dtype, device, tokens)
-    T, D, E, K, Fw = dims(shape, tokens)
-    floor = floor_bytes_per_token(D, K, Fw, torch.empty((), dtype=dtype).element_size(),
-                                  MoEConfig().activation in GATED)
+    rows, meta, layer = build_rows(shape, routing, dtype, device, tokens)
+    T = dims(shape, tokens)[0]
+    floor = layer_floor_bytes_per_token(layer, torch.empty((), dtype=dtype).element_size())
     fns = {key: _fwd_bwd(r.fn, r.x, r.params) for key, r in rows.items()}
     out = []
     for key, r in tqdm(rows.items(), desc="saved bytes, peak", file=sys.stderr):

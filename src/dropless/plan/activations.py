@@ -6,13 +6,17 @@ per token, E experts (L on this rank under expert parallelism), R rows of the ex
 
 Why a measurement, not a formula: what a layer saves changes whenever someone changes the layer
 (the lean MoE default removes whole [T*K, D] tensors); a hand formula would go stale silently. So
-one block of each kind (dense, MoE) is built from the config and run forward on *fake tensors*
-(`torch._subclasses.FakeTensorMode`: meta storage, no allocation, but the tensors claim to be on the
-CPU, so CPU autocast casts them as in training and SDPA takes the CPU flash kernel, which keeps the
-output and log-sum-exp as the GPU flash kernels do; on plain `meta` SDPA falls back to the math path
-and would count an [S, S] matrix per head that no training run keeps). The count is
-`dropless.saved_bytes.saved_bytes` (storages, once each, parameters excluded), plus two things
-that are alive during the backward but that autograd does not "save":
+the model is built from the config and one block of each kind (dense, MoE) runs forward, all on
+*fake tensors* (`torch._subclasses.FakeTensorMode`: meta storage, no allocation, but the tensors
+claim to be on the CPU, so CPU autocast casts them as in training and SDPA takes the CPU flash
+kernel, which keeps the output and log-sum-exp as the GPU flash kernels do; on plain `meta` SDPA
+falls back to the math path and would count an [S, S] matrix per head that no training run keeps).
+Every width comes from that model, never from config fields: its blocks, norm, head and MTP
+modules are the ones measured, a block's input is the embedding's output ([B, S, D] in its dtype)
+and its rotary tables are the model's own buffers (so an explicit head width or MLA's rotary part
+needs nothing here). The count is `dropless.saved_bytes.saved_bytes` (storages, once each,
+parameters excluded), plus two things that are alive during the backward but that autograd does
+not "save":
 - the inputs a recompute checkpoint keeps by reference (docs/memory.md: inside a checkpointed region
   the checkpoint's own hooks shadow the counter, and the region's inputs, often closure-captured, are
   no saved tensors): every storage an op inside the region reads that the region did not create
@@ -30,7 +34,9 @@ Activation offload (`model.offload`, layers/offload.py) runs as in training: the
 with its offload scopes, whose saved-tensor hooks are inner to the counter's and take what is saved
 inside them (so the counter sees only what stays on the device), and the block's offload counter adds
 up what they move (`bytes_to_host`: the host bytes of the micro-batch). On fake tensors the host copy
-is a stand-in that records the storage's size and allocates nothing (`_HostCopyStandIn`).
+is a stand-in that records the storage's size and allocates nothing (fake_world.py, with the other
+stand-ins: the fp32 grouped GEMM, and attention with value heads narrower than the query heads,
+which MLA has).
 
 Expert parallelism changes only the expert GEMMs' row count (R: the received rows, which in the
 buffered mode are the fixed buffer of factor x the balanced need), so the MoE block is measured on one
@@ -52,19 +58,17 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..config import ModelConfig
-from ..layers import offload as offload_mod
 from ..layers import recompute as recompute_mod
 from ..layers.experts import ExpertBatch, GroupedExperts
-from ..layers.mtp import MTPModule, mtp_loss
-from ..model import Block, RMSNorm, rotary_tables
-from ..ops import grouped_gemm
+from ..layers.mtp import mtp_loss
+from ..model import Block, MoEModel
 from ..ops.lean_experts import RowSource
 from ..saved_bytes import saved_bytes
+from .fake_world import fake_world, storage_key
 
 
 @dataclass(frozen=True)
@@ -93,10 +97,6 @@ class ActivationBytes:
         return self.total / self.tokens
 
 
-def _key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
 class _RegionReads(TorchDispatchMode):
     """Storages that ops read but that were not created inside the mode: a region's inputs."""
 
@@ -107,12 +107,12 @@ class _RegionReads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         for t in tree_flatten((args, kwargs))[0]:
-            if isinstance(t, torch.Tensor) and _key(t) not in self.created:
-                self.read.setdefault(_key(t), t)
+            if isinstance(t, torch.Tensor) and storage_key(t) not in self.created:
+                self.read.setdefault(storage_key(t), t)
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                self.created.add(_key(t))
+                self.created.add(storage_key(t))
         return out
 
 
@@ -151,76 +151,6 @@ def _checkpoints_count_inputs() -> Iterator[None]:
         recompute_mod.checkpoint = real
 
 
-class _GroupedMMStandIn(torch.autograd.Function):
-    """fp32 grouped_mm on fake tensors: torch's meta kernel takes bf16 only (the CPU kernel takes
-    fp32 too). Keeps what aten's grouped_mm keeps for its backward: both operands and the offsets."""
-
-    @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-        ctx.save_for_backward(a, b, offs)
-        return a.new_empty(a.shape[0], b.shape[-1])
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):  # noqa: ANN001
-        raise RuntimeError("the planner's fake grouped_mm has no backward")
-
-
-def _grouped_mm_any_dtype(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = None,
-                          **kwargs: Any) -> torch.Tensor:
-    if a.dtype == torch.bfloat16:
-        return torch._grouped_mm(a, b, offs=offs, **kwargs)
-    return _GroupedMMStandIn.apply(a, b, offs)
-
-
-class _HostCopyStandIn:
-    """layers/offload.py's host copy on fake tensors: the storage's size, nothing allocated (the
-    real one would allocate a host storage of that size and copy a fake one into it)."""
-
-    def __init__(self, t: torch.Tensor, stream: Any) -> None:
-        self.device, self.nbytes, self.stream, self.restored = t.device, t.untyped_storage().nbytes(), None, None
-
-    def restore(self) -> torch.UntypedStorage:
-        raise RuntimeError("the planner's fake offload has no backward")
-
-
-_real_pack = offload_mod.OffloadScope.pack
-
-
-def _pack_fake(scope: offload_mod.OffloadScope, t: torch.Tensor) -> Any:
-    """OffloadScope.pack for fake tensors. The real one leaves every tensor subclass in place (it
-    moves plain tensors only), and on fake tensors every tensor is a FakeTensor: this takes a fake
-    plain tensor as the real pack takes a plain one (parameters, their views and the keep tensors
-    stay, each other storage is copied once) and counts it the same way."""
-    if (type(t) is not FakeTensor or t.layout != torch.strided or t.device.type != "cpu"
-            or _key(t) in scope.keep):
-        return _real_pack(scope, t)  # a parameter (or a view of one) or a kept table: left in place
-    count, key = scope.offloader.counter, _key(t)
-    if key not in scope.copies:
-        copy = offload_mod._HostCopy(t, None)
-        scope.copies[key] = (copy, t.untyped_storage())
-        count.storages += 1
-        count.bytes_to_host += copy.nbytes
-    count.tensors += 1
-    return t  # no backward runs here
-
-
-@contextlib.contextmanager
-def fake_world() -> Iterator[None]:
-    """Fake tensors on the 'cpu', with the grouped GEMM able to take fp32 there and the offload's
-    host copies counted, not made."""
-    real, real_copy = grouped_gemm._grouped_mm, offload_mod._HostCopy
-    grouped_gemm._grouped_mm = _grouped_mm_any_dtype
-    offload_mod._HostCopy = _HostCopyStandIn
-    offload_mod.OffloadScope.pack = _pack_fake
-    try:
-        with FakeTensorMode():
-            yield
-    finally:
-        grouped_gemm._grouped_mm = real
-        offload_mod._HostCopy = real_copy
-        offload_mod.OffloadScope.pack = _real_pack
-
-
 def _autocast(bf16: bool) -> contextlib.AbstractContextManager:
     return torch.autocast("cpu", torch.bfloat16, enabled=bf16)
 
@@ -242,94 +172,95 @@ def _plannable(cfg: ModelConfig) -> ModelConfig:
     return replace(cfg, moe=moe)
 
 
-def block_bytes(cfg: ModelConfig, batch: int, seq_len: int, bf16: bool, moe: bool) -> tuple[int, int]:
-    """Bytes one block keeps for its backward at [batch, seq_len] tokens: (on the device, moved to
-    host by model.offload) (module note)."""
-    cfg = _plannable(cfg)
-    with fake_world():
-        block = Block(cfg, moe=moe)
-        x = torch.empty(batch, seq_len, cfg.d_model, requires_grad=True)  # the fp32 residual stream
-        cos, sin = rotary_tables(seq_len, cfg.d_model // cfg.n_heads, cfg.rope_theta)
-
-        def run(x: torch.Tensor) -> Any:
-            out = block(x, cos, sin)
-            pack = _current_pack()
-            for t in _held_outputs(out):
-                pack(t)
-            return out
-
-        with _autocast(bf16), _checkpoints_count_inputs():
-            device = saved_bytes(run, x, exclude=[*block.parameters(), *block.buffers(), cos, sin],
-                                 include_inputs=False).bytes
-        return device, block.offloader.counter.bytes_to_host if block.offloader else 0
+def _stream(model: MoEModel, batch: int, seq_len: int) -> torch.Tensor:
+    """A block's input: the residual stream as the embedding makes it, [batch, seq_len, D]."""
+    w = model.embed.weight
+    return torch.empty(batch, seq_len, w.shape[1], dtype=w.dtype, requires_grad=True)
 
 
-def head_bytes(cfg: ModelConfig, batch: int, seq_len: int, bf16: bool) -> int:
+def _tables(model: MoEModel, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's rotary tables for positions 0..seq_len-1, as its forward slices them."""
+    return model.rope_cos[:seq_len], model.rope_sin[:seq_len]
+
+
+def block_bytes(model: MoEModel, block: Block, batch: int, seq_len: int, bf16: bool) -> tuple[int, int]:
+    """Bytes one of the fake model's blocks keeps for its backward at [batch, seq_len] tokens: (on
+    the device, moved to host by model.offload) (module note)."""
+    x = _stream(model, batch, seq_len)
+    cos, sin = _tables(model, seq_len)
+    counter = block.offloader.counter if block.offloader else None
+    moved = counter.bytes_to_host if counter else 0  # the model's blocks share one offloader
+
+    def run(x: torch.Tensor) -> Any:
+        out = block(x, cos, sin)
+        pack = _current_pack()
+        for t in _held_outputs(out):
+            pack(t)
+        return out
+
+    with _autocast(bf16), _checkpoints_count_inputs():
+        device = saved_bytes(run, x, exclude=[*block.parameters(), *block.buffers(), cos, sin],
+                             include_inputs=False).bytes
+    return device, counter.bytes_to_host - moved if counter else 0
+
+
+def head_bytes(model: MoEModel, batch: int, seq_len: int, bf16: bool) -> int:
     """The final norm, LM head and loss of a [batch, seq_len] micro-batch: their saved tensors (the
     last block's output among them only if an op saves it: the fused RMSNorm keeps its normalised
     copy instead, ops/rms_norm.py) and the logits the model returns."""
-    with fake_world():
-        norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        head = torch.nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        x = torch.empty(batch, seq_len, cfg.d_model, requires_grad=True)
-        targets = torch.zeros(batch * seq_len, dtype=torch.int64)
+    x = _stream(model, batch, seq_len)
+    targets = torch.zeros(batch * seq_len, dtype=torch.int64)
 
-        def run(x: torch.Tensor) -> torch.Tensor:
-            logits = head(norm(x))
-            _current_pack()(logits)
-            return F.cross_entropy(logits.float().view(batch * seq_len, -1), targets)
+    def run(x: torch.Tensor) -> torch.Tensor:
+        logits = model.head(model.norm(x))
+        _current_pack()(logits)
+        return F.cross_entropy(logits.float().view(batch * seq_len, -1), targets)
 
-        with _autocast(bf16):
-            params = [*norm.parameters(), *head.parameters()]
-            return saved_bytes(run, x, exclude=params, include_inputs=False).bytes
+    with _autocast(bf16):
+        params = [*model.norm.parameters(), *model.head.parameters()]
+        return saved_bytes(run, x, exclude=params, include_inputs=False).bytes
 
 
-def mtp_bytes(cfg: ModelConfig, batch: int, seq_len: int, bf16: bool) -> int:
-    """One multi-token prediction module (layers/mtp.py) fed a hidden state of `seq_len` positions
-    (module k: seq_len = S - k + 1; it runs on one position fewer): norms, projection, its dense
-    block, head and loss. Its input (the main model's last hidden state, or the previous module's
-    output) is counted where it was made."""
-    cfg = _plannable(cfg)
-    with fake_world():
-        module = MTPModule(cfg.d_model, Block(cfg, moe=False), lambda: RMSNorm(cfg.d_model, cfg.norm_eps))
-        embed = torch.nn.Embedding(cfg.vocab_size, cfg.d_model)
-        head = torch.nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        x = torch.empty(batch, seq_len, cfg.d_model, requires_grad=True)
-        targets = torch.zeros(batch, seq_len, dtype=torch.int64)
-        cos, sin = rotary_tables(seq_len, cfg.head_width, cfg.rope_theta)
+def mtp_bytes(model: MoEModel, k: int, batch: int, seq_len: int, bf16: bool) -> int:
+    """The model's k-th multi-token prediction module (layers/mtp.py), fed a hidden state of
+    `seq_len` positions (module k: seq_len = S - k + 1; it runs on one position fewer): norms,
+    projection, its dense block, head and loss. Its input (the main model's last hidden state, or
+    the previous module's output) is counted where it was made."""
+    module = model.mtp[k - 1]
+    x = _stream(model, batch, seq_len)
+    targets = torch.zeros(batch, seq_len, dtype=torch.int64)
+    cos, sin = _tables(model, seq_len)
 
-        def run(x: torch.Tensor) -> torch.Tensor:
-            return mtp_loss(torch.nn.ModuleList([module]), x, targets, embed, head, cos, sin)
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return mtp_loss(torch.nn.ModuleList([module]), x, targets, model.embed, model.head, cos, sin)
 
-        params = [*module.parameters(), *embed.parameters(), *head.parameters(), cos, sin]
-        with _autocast(bf16), _checkpoints_count_inputs():
-            return saved_bytes(run, x, exclude=params, include_inputs=False).bytes
+    params = [*module.parameters(), *model.embed.parameters(), *model.head.parameters(), cos, sin]
+    with _autocast(bf16), _checkpoints_count_inputs():
+        return saved_bytes(run, x, exclude=params, include_inputs=False).bytes
 
 
-def expert_bytes(cfg: ModelConfig, num_experts: int, rows: int, bf16: bool, local: bool = False) -> int:
-    """What the experts' GEMMs and activation keep for `rows` rows. `local`: as the one-device
+def expert_bytes(like: GroupedExperts, num_experts: int, rows: int, bf16: bool, local: bool = False) -> int:
+    """What `num_experts` experts of the model's kind (`like`: its widths, activation and precision)
+    keep for `rows` rows. `local`: as the one-device
     dispatcher runs them, with a row source (layers/dispatch.py): the lean experts keep a reference
     to the token rows and their indices (both counted where the block keeps them, so left out here)
     and no rows. Otherwise as the EP dispatcher runs them, without one: the lean experts keep the
     [rows, D] rows in the compute dtype (under autocast the cast copy, else the rows themselves),
     counted here."""
-    moe = _plannable(cfg).moe
-    width = moe.latent_dim or cfg.d_model  # LatentMoE: the experts' rows are latent rows
-    with fake_world():
-        experts = GroupedExperts(num_experts, width, moe.d_expert, moe.activation, moe.act_clamp,
-                                 moe.act_softcap, moe.backend if moe.capacity_factor is None else "grouped_mm",
-                                 moe.precision)
-        x_RD = torch.empty(rows, width, requires_grad=True)
-        w_R = torch.empty(rows, requires_grad=True)
-        offsets = torch.full((num_experts,), rows, dtype=torch.int32)
-        exclude = list(experts.parameters())
-        source = None
-        if local:
-            source = RowSource(torch.empty(rows, width), torch.empty(rows, dtype=torch.int64), False)
-            exclude += [source.x_TD, source.src_R]
-        with _autocast(bf16):
-            return saved_bytes(lambda x, w: experts(ExpertBatch(x, offsets, weights_R=w, source=source)), x_RD,
-                               w_R, exclude=exclude, include_inputs=False).bytes
+    _, width, _ = like.w_gate_up_EDF.shape  # LatentMoE: the experts' rows are latent rows
+    experts = GroupedExperts(num_experts, width, like.w_down_EFD.shape[1], like.kind, like.clamp,
+                             like.softcap, "grouped_mm", like.precision)
+    x_RD = torch.empty(rows, width, requires_grad=True)
+    w_R = torch.empty(rows, requires_grad=True)
+    offsets = torch.full((num_experts,), rows, dtype=torch.int32)
+    exclude = list(experts.parameters())
+    source = None
+    if local:
+        source = RowSource(torch.empty(rows, width), torch.empty(rows, dtype=torch.int64), False)
+        exclude += [source.x_TD, source.src_R]
+    with _autocast(bf16):
+        return saved_bytes(lambda x, w: experts(ExpertBatch(x, offsets, weights_R=w, source=source)), x_RD,
+                           w_R, exclude=exclude, include_inputs=False).bytes
 
 
 def experts_kept_on(cfg: ModelConfig) -> str:
@@ -348,20 +279,24 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, bf16: bool,
     """Per micro-batch on one rank. `ep_rows`: (local experts L, GEMM rows R) under expert
     parallelism, None on one device (module note)."""
     T = batch * seq_len
-    n_moe = cfg.n_moe_layers
-    n_dense = cfg.n_layers - n_moe  # the prefix and, with model.moe_layer_freq, the layers between
-    dense, dense_host = block_bytes(cfg, batch, seq_len, bf16, moe=False) if n_dense else (0, 0)
-    moe, moe_host = block_bytes(cfg, batch, seq_len, bf16, moe=True) if n_moe else (0, 0)
-    where = experts_kept_on(cfg)
-    if n_moe and ep_rows is not None and where != "recomputed":
-        L, R = ep_rows
-        E, K = cfg.moe.num_experts, cfg.moe.top_k
-        delta = expert_bytes(cfg, L, R, bf16) - expert_bytes(cfg, E, T * K, bf16, local=True)
-        if where == "host":
-            moe_host += delta
-        else:
-            moe += delta
-    head = head_bytes(cfg, batch, seq_len, bf16)
-    head += sum(mtp_bytes(cfg, batch, seq_len - k + 1, bf16) for k in range(1, cfg.mtp_depth + 1))
+    with fake_world():
+        model = MoEModel(_plannable(cfg))
+        moe_blocks = [b for b in model.blocks if b.is_moe]
+        dense_blocks = [b for b in model.blocks if not b.is_moe]
+        n_moe, n_dense = len(moe_blocks), len(dense_blocks)
+        dense, dense_host = block_bytes(model, dense_blocks[0], batch, seq_len, bf16) if n_dense else (0, 0)
+        moe, moe_host = block_bytes(model, moe_blocks[0], batch, seq_len, bf16) if n_moe else (0, 0)
+        where = experts_kept_on(cfg)
+        if n_moe and ep_rows is not None and where != "recomputed":
+            L, R = ep_rows
+            E, K = cfg.moe.num_experts, cfg.moe.top_k
+            experts = moe_blocks[0].ffn.experts
+            delta = expert_bytes(experts, L, R, bf16) - expert_bytes(experts, E, T * K, bf16, local=True)
+            if where == "host":
+                moe_host += delta
+            else:
+                moe += delta
+        head = head_bytes(model, batch, seq_len, bf16)
+        head += sum(mtp_bytes(model, k, batch, seq_len - k + 1, bf16) for k in range(1, len(model.mtp) + 1))
     return ActivationBytes(T, head, dense, moe, n_dense, n_moe,
                            dense_host, moe_host)

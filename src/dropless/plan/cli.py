@@ -88,17 +88,25 @@ def parser() -> argparse.ArgumentParser:
 
 
 def build(args: argparse.Namespace) -> tuple[RunConfig, int, int]:
-    from ..train.run import preset_path
+    from ..train.run import PRESETS, preset_path
     device = parse_bytes("--device-memory", args.device_memory)
     if args.world < 1:
         raise ValueError(f"--world {args.world}: must be >= 1")
     if args.pipeline < 1 or args.world % args.pipeline:
         raise ValueError(f"--pipeline {args.pipeline}: must be >= 1 and divide --world {args.world}")
+    if args.json and not Path(args.json).resolve().parent.is_dir():  # refused before the plan, not after
+        raise ValueError(f"--json {args.json}: its folder does not exist")
     try:
         path = preset_path(args.config)
     except (ValueError, FileNotFoundError) as e:  # its message names train's flag; here it is CONFIG
-        raise type(e)(str(e).replace("--config", "CONFIG", 1)) from None
+        msg = str(e).replace("--config", "CONFIG", 1)
+        if isinstance(e, ValueError):  # the recipes of published runs are presets of plan's too
+            recipes = sorted(f"plan/{q.stem}" for q in (PRESETS / "plan").glob("*.toml"))
+            msg += f"; plan recipes: {', '.join(recipes)}"
+        raise type(e)(msg) from None
     cfg = load_config(path, args.overrides)
+    if args.pipeline > cfg.model.n_layers:
+        raise ValueError(f"--pipeline {args.pipeline}: more stages than model.n_layers={cfg.model.n_layers}")
     if args.micro_batch_tokens is not None:
         n, s = args.micro_batch_tokens, cfg.train.seq_len
         if n < s or n % s:

@@ -1,11 +1,14 @@
 """The bytes one rank holds in training, by component: the planner's arithmetic.
 
 Legend: W ranks, P = ep_size (EP group), edp = W / P (ranks holding the same experts), E experts,
-L = E / P local experts, T tokens per micro-batch per rank, K experts per token, D model width.
+L = E / P local experts, T tokens per micro-batch per rank, K experts per token, D the width of the
+rows the experts take (the model width, or LatentMoE's latent width).
 
 What each component is (the layout is distributed/parallelize.py's: EP, then FSDP2):
 - params: fp32 master weights. Every parameter is taken from the model built on the meta device
-  (so a new parameter is counted without touching this file), tied weights once. Dense parameters are
+  (so a new parameter is counted without touching this file), tied weights once. Every width and
+  shape here comes from that model too (the all-to-all rows, the vocabulary), never from config
+  fields: the module that makes a tensor is the truth about its shape. Dense parameters are
   FSDP-sharded over all W ranks, the routed experts first sliced to L experts by EP, then sharded over
   edp. FSDP2 shards dim 0 in ceil(n / W) rows and pads every rank's storage to that, so the busiest
   rank (rank 0) holds ceil(dim0 / W) * rest of every parameter. W = 1 is the plain one-process trainer.
@@ -99,12 +102,12 @@ def _meta_model(cfg: RunConfig) -> MoEModel:
         return MoEModel(cfg.model)
 
 
-def shard_elements(cfg: RunConfig, world: int) -> dict[str, int]:
+def shard_elements(cfg: RunConfig, world: int, model: MoEModel | None = None) -> dict[str, int]:
     """Parameter elements on the busiest rank: {'dense', 'experts', 'tensors'} and the unsharded
-    sizes of the FSDP units for the gather (module note)."""
+    sizes of the FSDP units for the gather (module note). `model`: cfg's model on the meta device."""
     ep = cfg.parallel.ep_size
     edp = world // ep
-    model = _meta_model(cfg)
+    model = model or _meta_model(cfg)
     dense = experts = tensors = 0
     for name, p in model.named_parameters():  # tied weights are listed once
         tensors += 1
@@ -114,9 +117,8 @@ def shard_elements(cfg: RunConfig, world: int) -> dict[str, int]:
             experts += _shard(p.numel() // ep, local0, edp if world > 1 else 1)
         else:
             dense += _shard(p.numel(), dim0, world)
-    root = sum(p.numel() for m in (model.embed, model.norm, model.head) for p in m.parameters())
-    if model.cfg.tie_embeddings:
-        root -= model.head.weight.numel()
+    # a tied head weight is the embedding's parameter: once
+    root = sum({id(p): p.numel() for m in (model.embed, model.norm, model.head) for p in m.parameters()}.values())
     # a block's gathered units: its own parameters, with the experts cut to this rank's EP slice
     # (the experts and the router are units of their own, gathered while the block runs)
     def block_unit(b: torch.nn.Module) -> int:
@@ -152,15 +154,20 @@ def _expected_rank_hits(E: int, K: int, L: int) -> float:
     return (E // L) * (1 - miss)
 
 
-def ep_buffer_bytes(cfg: RunConfig, tokens: int, bf16: bool, world: int) -> int:
+def ep_buffer_bytes(cfg: RunConfig, tokens: int, bf16: bool, world: int,
+                    model: MoEModel | None = None) -> int:
     """The all-to-all buffers of one MoE layer's forward on one rank (module note): each trip's
     input and output storage, as distributed/comm.py allocates them; 0 in one process (see ep_rows:
-    any world > 1 has them, ep_size 1 included)."""
+    any world > 1 has them, ep_size 1 included). `model`: cfg's model on the meta device."""
     p, m = cfg.parallel, cfg.model.moe
-    if world == 1 or cfg.model.n_layers == cfg.model.n_dense_layers:
+    layers = (model or _meta_model(cfg)).moe_layers()
+    if world == 1 or not layers:
         return 0
-    P, K, D, L = p.ep_size, m.top_k, cfg.model.d_model, m.num_experts // p.ep_size
-    x_es = 4  # the MoE layer's input is the fp32 residual stream, normed (even under autocast)
+    P, K, L = p.ep_size, m.top_k, m.num_experts // p.ep_size
+    D = layers[0].experts.w_gate_up_EDF.shape[1]  # the rows the experts read (LatentMoE: latent rows)
+    # the dispatched rows: the normed residual stream (fp32 even under autocast), or the latent
+    # projection's output (a GEMM's: the compute dtype)
+    x_es = 4 if layers[0].latent is None else (2 if bf16 else 4)
     y_es = 2 if bf16 else 4  # the experts' output rows: the compute dtype
     counts = 2 * P * (L + 1) * 8
     if p.ep_mode == "buffered":
@@ -187,16 +194,17 @@ def plan(cfg: RunConfig, world: int, pipeline: int = 1) -> Plan:
     t = cfg.train
     bf16 = t.dtype != "fp32"  # "auto" plans for an accelerator: bf16 (CUDA and AMX CPUs pick it)
     tokens = t.batch_size * t.seq_len
-    el = shard_elements(cfg, world)
+    model = _meta_model(cfg)
+    el = shard_elements(cfg, world, model)
     shards = el["dense"] + el["experts"]
     params = grads = 4 * shards
     optimizer = MOMENT_BYTES[t.optimizer] * shards + 4 * el["tensors"]
     act = activation_bytes(cfg.model, t.batch_size, t.seq_len, bf16, ep_rows(cfg, tokens, world))
     activations = (act.total - act.head) * pipeline + act.head  # the head's micro-batch: once
     offload_host = act.host_total * pipeline  # blocks only: the head has no offload scope
-    ep_buf = ep_buffer_bytes(cfg, tokens, bf16, world)
+    ep_buf = ep_buffer_bytes(cfg, tokens, bf16, world, model)
     fsdp = 4 * (el["root"] + 2 * el["block"]) if world > 1 else 0
-    loss_grad = tokens * cfg.model.vocab_size * (4 + (2 if bf16 else 0))
+    loss_grad = tokens * model.head.weight.shape[0] * (4 + (2 if bf16 else 0))  # [T, V] logits' gradient
     unit_grad = 4 * (el["dense"] + el["experts"]) // max(cfg.model.n_layers, 1)
     live_grads = grads if t.grad_accum > 1 else min(grads, unit_grad)
     peak = params + optimizer + activations + ep_buf + fsdp + loss_grad + live_grads
