@@ -107,3 +107,27 @@ def test_trainer_logs_mtp_apart_and_evaluates_the_main_loss(tmp_path: Path, monk
     monkeypatch.setattr(mtp_mod.MTPModule, "forward", lambda *a: calls.append(1))
     trainer.evaluate()
     assert not calls
+
+
+def test_mtp_refuses_a_sequence_without_a_target_for_its_last_module() -> None:
+    """With depth D, module D at position t predicts token t+D+1: a training call of D positions or
+    fewer leaves it no target (an empty mean, NaN), so the model refuses it by name."""
+    torch.manual_seed(0)
+    model = MoEModel(model_cfg("model.mtp_depth=3"))
+    full = sequence()
+    assert torch.isfinite(model(full[:, :4], full[:, 1:5]).loss)  # 4 positions: module 3 has one
+    with pytest.raises(ValueError, match=r"model\.mtp_depth=3: module 3 predicts token t\+4.*got 3"):
+        model(full[:, :3], full[:, 1:4])
+
+
+def test_depth_must_leave_the_training_window_a_target(tmp_path: Path) -> None:
+    """A window of seq_len inputs gives module D seq_len - D targets: depth seq_len is refused naming
+    both fields (every loss was NaN), depth seq_len - 1 (module D sees one position) trains."""
+    with pytest.raises(ValueError, match=r"model\.mtp_depth=4: must be < train\.seq_len=4"):
+        tiny("train.seq_len=4", "model.mtp_depth=4")
+    cfg = tiny("train.seq_len=4", "model.mtp_depth=3", "train.steps=2", "train.eval_every=2",
+               "train.ckpt_every=2")
+    Trainer(cfg, tmp_path).fit()
+    train_rows = rows(tmp_path, "mtp_loss")
+    assert len(train_rows) == 2 and all(0 < r["mtp_loss"] < float("inf") for r in train_rows)
+    assert all(r["loss"] < float("inf") for r in train_rows)

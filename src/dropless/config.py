@@ -350,6 +350,9 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.train.seq_len > self.model.max_seq_len:
             _fail("train.seq_len", self.train.seq_len, f"exceeds model.max_seq_len={self.model.max_seq_len}")
+        if self.model.mtp_depth >= self.train.seq_len:  # (evaluation and generation never run MTP)
+            _fail("model.mtp_depth", self.model.mtp_depth, f"must be < train.seq_len={self.train.seq_len}: "
+                  "module D predicts token t+D+1, so a window of seq_len inputs leaves it seq_len - D targets")
         if self.data.tokenizer == "byte" and self.model.vocab_size < 256:  # (hf: checked on loading it)
             _fail("model.vocab_size", self.model.vocab_size, "is below the 256 ids of data.tokenizer='byte'")
         self.parallel.check_run(self.model.moe, self.train)

@@ -6,12 +6,12 @@ and waits after it. The same collectives on the same data: output, input gradien
 parameter gradient must equal the blocking layer's bit for bit (torch.equal), in exact and buffered
 mode, with and without de-dup, and with spill when links overflow. Both runs are watched
 (distributed/watch.py, check mode): the overlapped one must record the same collectives (count and
-digest) and time its all-to-alls; buffered mode (without spill) must not read the host.
+digest) and time its all-to-alls; buffered mode (without spill) must not read the host, and exact
+and spill modes only where tests/host_sync.py allows them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from pathlib import Path
 
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dist_harness import run_world
-from host_sync import forbid_host_sync
+from host_sync import EP_EXACT_SPLIT_SIZES, EP_SPILL_TOTAL, Allowance, forbid_host_sync
 from dropless.config import MoEConfig, ParallelConfig
 from dropless.distributed import comm
 from dropless.distributed.parallelize_ep import shard_moe_layer
@@ -27,13 +27,17 @@ from dropless.distributed.watch import CommWatch
 from dropless.layers.moe import MoELayer
 
 MODES = [("exact", 2.0, "retry"), ("buffered", -1, "retry"), ("buffered", 0.3, "spill")]
+# buffered without spill never reads the host, overlapped or not; exact mode reads its split sizes,
+# spill its overflow total and then, for the second exchange, exact mode's split sizes
+ALLOWED = {("exact", "retry"): (EP_EXACT_SPLIT_SIZES,), ("buffered", "retry"): (),
+           ("buffered", "spill"): (EP_SPILL_TOTAL, EP_EXACT_SPLIT_SIZES)}
 
 
-def _run(layer: MoELayer, x: torch.Tensor, g: torch.Tensor, no_sync: bool) -> tuple[list[torch.Tensor], CommWatch]:
+def _run(layer: MoELayer, x: torch.Tensor, g: torch.Tensor, allow: tuple[Allowance, ...],
+         ) -> tuple[list[torch.Tensor], CommWatch]:
     watch = CommWatch({"ep": None}, x.device, check=True)
     xs = x.clone().requires_grad_(True)
-    with watch.step(0), (forbid_host_sync("overlapped buffered EP read the host") if no_sync
-                         else contextlib.nullcontext()):
+    with watch.step(0), forbid_host_sync("overlapped EP read the host", allow):
         out = layer(xs)
         (out.y * g).sum().backward()
     return [out.y.detach(), xs.grad] + [p.grad for p in layer.parameters()], watch
@@ -59,8 +63,7 @@ def _cases(rank: int, world: int) -> None:
                                      max_tokens_per_rank=20, on_overflow=policy, overlap_shared=overlap)
                 ep = shard_moe_layer(copy.deepcopy(layer), None, cfg)
                 assert ep.dispatcher.overlap_shared is overlap
-                # buffered without spill never reads the host, overlapped or not
-                results.append(_run(ep, x, g, no_sync=mode == "buffered" and policy != "spill"))
+                results.append(_run(ep, x, g, ALLOWED[mode, policy]))
             (plain, w0), (over, w1) = results
             assert len(plain) == len(over)
             for i, (a, b) in enumerate(zip(plain, over)):

@@ -17,7 +17,6 @@ way) to the same next loss as the run that goes on.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from dist_harness import run_world
-from host_sync import forbid_host_sync
+from host_sync import EP_EXACT_SPLIT_SIZES, forbid_host_sync
 from dropless.bench.ep_scenarios import zipf_ids
 from dropless.config import MoEConfig, ParallelConfig
 from dropless.distributed import ep_replicas as rep
@@ -79,8 +78,8 @@ def _layer_case(rank: int, world: int, mode: str, steps: int) -> None:
         for m in (layer, plain):
             m.detailed_stats = True
             xs = x.clone().requires_grad_(True)
-            with (forbid_host_sync("buffered EP with replicas read the host") if mode == "buffered"
-                  else contextlib.nullcontext()):
+            with forbid_host_sync(f"{mode} EP with replicas read the host",
+                                  () if mode == "buffered" else (EP_EXACT_SPLIT_SIZES,)):
                 out = m(xs, replay_ids=ids)
                 (out.y * g).sum().backward()
             out_sq = out.stats.out_sq_E.clone()  # per rank: its groups' rows; summed, every expert's

@@ -11,13 +11,17 @@ intervals, so the routing accumulators are resharded too (1 -> 4 -> 2 ranks).
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from dist_harness import run_world
+from dropless.model import MoEModel
 from dropless.train import checkpoint as ckpt
+from dropless.train import dist_checkpoint
 from dropless.train.loop import Trainer
 from tiny_run import tiny as tiny_base
 from tolerances import PARALLEL_TRAIN_GRAD_NORM, PARALLEL_TRAIN_LOSS
@@ -98,3 +102,36 @@ def test_checkpoint_resumes_at_any_world_size_1_4_2(tmp_path: Path) -> None:
         (8, 4, 2, {"parallel.ep_size": [2, 1], "train.grad_accum": [1, 2]}),
     ]
     assert routing_steps(run) == routing_steps(one)
+
+
+def _resume_with(rank: int, world: int, run_dir: Path, copy_dir: Path, optimizer: str) -> None:
+    """Resume the one-process step-4 checkpoint at 2 ranks (EP 2) with another optimizer; write the
+    model as loaded through the same DCP path (the parent compares it with the checkpoint), then train."""
+    trainer = Trainer(tiny("train.grad_accum=1", "parallel.ep_size=2", "train.steps=6",
+                           f"train.optimizer={optimizer}"), run_dir, resume=True)
+    assert trainer.start_step == 4
+    dist_checkpoint.save(copy_dir, 4, trainer.model, trainer.optimizer, {"step": 4},
+                         experts=trainer.expert_names, meshes=trainer.meshes)
+    trainer.fit()
+
+
+def _full_model(path: Path) -> dict:
+    model = MoEModel(tiny().model)
+    dist_checkpoint.load_full_model(path, model)
+    return model.state_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("old,new", [("adamw", "muon"), ("muon", "adamw")])
+def test_optimizer_change_on_resume_at_world_size_2(tmp_path: Path, old: str, new: str) -> None:
+    run, copy = tmp_path / "run", tmp_path / "copy"
+    Trainer(tiny("train.grad_accum=2", "train.steps=4", f"train.optimizer={old}"), run).fit()
+    saved = _full_model(ckpt.latest_checkpoint(run))
+    run_world(_resume_with, 2, tmp_path, run, copy, new)
+    loaded = _full_model(ckpt.latest_checkpoint(copy))
+    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+    (resume,) = metric(run, "resumed_from")
+    assert resume["config_changes"]["train.optimizer"] == [old, new]
+    assert f"train.optimizer changed from {old!r} to {new!r}" in resume["notes"][0]
+    losses = [r for r in metric(run, "loss") if r["step"] >= 4]
+    assert losses and all(math.isfinite(r["loss"]) for r in losses)

@@ -53,15 +53,55 @@ def test_explicit_dtype_and_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
         D.resolve_dtype("bf16", torch.device("meta"))
 
 
-def test_this_machines_amx_answer_matches_its_flags() -> None:
-    # The real queries, unfaked: on Linux the answer follows /proc/cpuinfo and the oneDNN cap.
-    flags = D._proc_cpuinfo_flags()
-    if flags is None:  # not Linux: the answer has no second source to be checked against here
-        pytest.skip("no /proc/cpuinfo")
-    caps = D._torch_cpu_capabilities()
-    amx, why = D.cpu_amx_bf16({})
-    assert amx == ("amx_bf16" in flags and (caps is None or caps.get("amx_bf16", False))), why
-    assert D.cpu_amx_bf16({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"})[0] is False
+# The decision as a table written out by hand: (torch's capabilities, /proc/cpuinfo flags, environment,
+# device) -> (dtype, the part of the reason that says why). Each row is a case the module note names.
+AMX_FLAGS, NO_AMX_FLAGS = {"amx_bf16", "amx_tile", "avx512_bf16"}, {"avx512_bf16", "avx512f"}
+DECISIONS = [
+    # CUDA decides alone: the CPU answers are not consulted
+    (AVX512_CPU, NO_AMX_FLAGS, {"ONEDNN_MAX_CPU_ISA": "AVX2"}, "cuda", "bf16", "auto: CUDA"),
+    (AMX_CPU, AMX_FLAGS, {}, "cpu", "bf16", "auto: CPU with AMX-BF16"),
+    (AVX512_CPU, NO_AMX_FLAGS, {}, "cpu", "fp32", "CPU without AMX-BF16"),
+    (AVX512_CPU, AMX_FLAGS, {}, "cpu", "fp32", "CPU without AMX-BF16"),  # torch's CPUID answer wins
+    (AMX_CPU, NO_AMX_FLAGS, {}, "cpu", "fp32", "no amx_bf16 in /proc/cpuinfo"),  # kernel without AMX
+    (AMX_CPU, AMX_FLAGS, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, "cpu", "fp32",
+     "capped below AMX (MAX_CPU_ISA=AVX512_CORE_BF16)"),
+    (AMX_CPU, AMX_FLAGS, {"DNNL_MAX_CPU_ISA": "avx2"}, "cpu", "fp32", "MAX_CPU_ISA=AVX2"),  # older name
+    (AMX_CPU, AMX_FLAGS, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, "cpu", "bf16", "CPU with AMX-BF16"),
+    (AMX_CPU, AMX_FLAGS, {"ONEDNN_MAX_CPU_ISA": " avx10_1_512_amx "}, "cpu", "bf16", "CPU with AMX-BF16"),
+    (AMX_CPU, AMX_FLAGS, {"ONEDNN_MAX_CPU_ISA": "default"}, "cpu", "bf16", "CPU with AMX-BF16"),
+    (AMX_CPU, AMX_FLAGS, {"ONEDNN_MAX_CPU_ISA": "ALL"}, "cpu", "bf16", "CPU with AMX-BF16"),
+    (AMX_CPU, AMX_FLAGS, {"ONEDNN_MAX_CPU_ISA": ""}, "cpu", "bf16", "CPU with AMX-BF16"),  # set, empty
+    # ONEDNN_ wins over DNNL_ when both are set, either way round
+    (AMX_CPU, AMX_FLAGS, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX", "DNNL_MAX_CPU_ISA": "AVX2"}, "cpu",
+     "bf16", "CPU with AMX-BF16"),
+    (AMX_CPU, AMX_FLAGS, {"ONEDNN_MAX_CPU_ISA": "AVX2", "DNNL_MAX_CPU_ISA": "AVX512_CORE_AMX"}, "cpu",
+     "fp32", "MAX_CPU_ISA=AVX2"),
+    (AMX_CPU, AMX_FLAGS, {"OTHER_ISA": "AVX2"}, "cpu", "bf16", "CPU with AMX-BF16"),  # unrelated variable
+    (None, AMX_FLAGS, {}, "cpu", "bf16", "CPU with AMX-BF16"),  # a torch without get_capabilities
+    (None, NO_AMX_FLAGS, {}, "cpu", "fp32", "no amx_bf16 in /proc/cpuinfo"),
+    (AMX_CPU, None, {}, "cpu", "bf16", "CPU with AMX-BF16"),  # no /proc/cpuinfo (not Linux)
+    (AMX_CPU, None, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}, "cpu", "fp32", "MAX_CPU_ISA=AVX512_CORE"),
+    (None, None, {}, "cpu", "fp32", "no CPU capability query available"),  # nothing to ask: fp32
+    (AMX_CPU, AMX_FLAGS, {}, "meta", "fp32", "no autocast on meta"),
+]
+
+
+@pytest.mark.parametrize("caps, flags, env, device, dtype, reason", DECISIONS)
+def test_auto_dtype_decision_table(caps, flags, env, device, dtype, reason) -> None:
+    got, why = D.auto_dtype(device, caps, flags, env)
+    assert (got, reason in why) == (dtype, True), why
+    assert why.startswith("auto: ")
+
+
+def test_resolve_dtype_reads_the_live_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The live probe is a thin wrapper: what it reads goes into the table's function unchanged, and
+    the environment defaults to os.environ."""
+    fake_cpu(monkeypatch, AMX_CPU, AMX_FLAGS)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert D.resolve_dtype("auto", CPU) == D.auto_dtype("cpu", AMX_CPU, AMX_FLAGS, {"ONEDNN_MAX_CPU_ISA": "AVX2"})
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    assert D.resolve_dtype("auto", CPU) == ("bf16", "auto: CPU with AMX-BF16")
 
 
 def test_device_choice(monkeypatch: pytest.MonkeyPatch) -> None:

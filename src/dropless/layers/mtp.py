@@ -15,6 +15,13 @@ module k sees the first S_k positions only: the last k have no target inside the
 runs causal attention over those S_k positions with rotary positions 0..S_k-1 (the main model's).
 The model adds lambda * mean_k(loss_k) to its loss; `ce_loss` stays the main prediction's alone.
 
+Padding. A right-padded batch (routing replay, train/replay_data.py) marks padded targets with
+IGNORE_INDEX, and module k embeds targets as input tokens: a padded one is embedded as id 0 and its
+position trained on by no module (its target is ignored too), so loss_k is the mean over the real
+(input, target) pairs alone, and a module with none in the batch (every sequence shorter than k + 2
+tokens) is left out of the mean over modules rather than counted as 0 or NaN. Without padding this is
+the plain mean over the B * S_k positions and over the D modules.
+
 Where this differs from DeepSeek-V3: its MTP block is an MoE block like the main model's; here each
 module's block is a dense block (the model's dense MLP width), so the MTP modules add no MoE layer,
 no routing statistics and no balancing state (the trainer's per-layer tables are the main model's).
@@ -29,6 +36,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+IGNORE_INDEX = -100  # F.cross_entropy's ignore_index: a padded target (train/replay_data.py)
 
 
 class MTPModule(nn.Module):
@@ -48,14 +57,23 @@ class MTPModule(nn.Module):
 
 def mtp_loss(modules: nn.ModuleList, h_BSD: torch.Tensor, targets_BS: torch.Tensor,
              embed: nn.Module, head: nn.Module, cos_SF: torch.Tensor, sin_SF: torch.Tensor) -> torch.Tensor:
-    """mean over the D modules of each one's cross-entropy (nats per token), fp32."""
-    S = h_BSD.shape[1]
-    losses = []
+    """mean over the D modules of each one's cross-entropy (nats per token), fp32; padding-aware
+    (module note): a module with no real target in the batch is left out of the mean."""
+    S, D = h_BSD.shape[1], len(modules)
+    if S <= D:
+        raise ValueError(f"model.mtp_depth={D}: module {D} predicts token t+{D + 1}, so a sequence needs "
+                         f"more than {D} positions; got {S}")
+    sums, counts = [], []
     h = h_BSD
     for k, module in enumerate(modules, start=1):
         n = S - k  # positions with a target t+1+k inside the sequence
-        h = module(h[:, :n], embed(targets_BS[:, k - 1:k - 1 + n]), cos_SF[:n], sin_SF[:n])
+        tok_BS, tgt_BS = targets_BS[:, k - 1:k - 1 + n], targets_BS[:, k:k + n]  # tokens t+k, t+1+k
+        real_BS = (tok_BS != IGNORE_INDEX) & (tgt_BS != IGNORE_INDEX)
+        h = module(h[:, :n], embed(tok_BS.clamp_min(0)), cos_SF[:n], sin_SF[:n])
         logits = head(module.out_norm(h))
-        losses.append(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                      targets_BS[:, k:k + n].reshape(-1)))
-    return torch.stack(losses).mean()
+        sums.append(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                    tgt_BS.masked_fill(~real_BS, IGNORE_INDEX).reshape(-1), reduction="sum"))
+        counts.append(real_BS.sum())
+    count_D = torch.stack(counts)
+    loss_D = torch.stack(sums) / count_D.clamp_min(1)
+    return loss_D.sum() / (count_D > 0).sum().clamp_min(1)

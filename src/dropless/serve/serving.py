@@ -26,6 +26,11 @@ k = 1 is that model unchanged.
 
 K1 > k is allowed: nothing in a token-choice checkpoint depends on k, and the rule is the model's own
 at top_k=K1 (K2 defaults to K1); the model never trained that way, so measure before trusting it.
+
+The served config drops `model.recompute` (a training setting: nothing is recomputed without a
+backward), so a run trained with recompute moe/layer serves with a norm_top_k; everything else the
+config checks still holds for the served model.
+
 Refused (ValueError naming the flag and value): K1 < 1 or > E, K2 < K1 or > E (or beyond the
 experts group-limited routing leaves eligible), K2 with renorm kept, K2 on a model whose weights are
 never normalised (renormalize=false, no post-softmax: the raw scores, no mass to divide by; K1 alone
@@ -125,8 +130,10 @@ def serving_top_k(model_cfg: ModelConfig, k1: int | None = None, k2: int | None 
                              f"n_groups={r.n_groups})")
     if k1 == k and router == r:
         return model_cfg
-    # replace() re-runs the config's validation, which names model.moe.* fields for anything left
-    return replace(model_cfg, moe=replace(moe, top_k=k1, router=router))
+    # replace() re-runs the config's validation, which names model.moe.* fields for anything left.
+    # model.recompute is dropped: it acts only while autograd records (layers/recompute.py), and its
+    # rules (norm_top_k refused with moe/layer) are about a backward that serving never runs
+    return replace(model_cfg, recompute=[], moe=replace(moe, top_k=k1, router=router))
 
 
 def serving_map(k1: int | None = None, k2: int | None = None, renorm: str = "mass",

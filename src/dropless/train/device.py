@@ -30,6 +30,8 @@ AMX detection, all three must agree:
 torch's other queries do not answer this: `torch.backends.cpu.get_cpu_capability()` names ATen's
 vector ISA ("AVX512"), the same on CPUs with and without AMX, and ignores oneDNN's cap, as does
 `get_capabilities()` (measured: both unchanged under ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16).
+The decision is `auto_dtype`, a pure function of the device type and the three answers (capability
+dict, /proc/cpuinfo flags, environment); `resolve_dtype` reads the live ones and passes them in.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ContextManager
+from typing import ContextManager, Mapping
 
 import torch
 
@@ -90,7 +92,7 @@ def _torch_cpu_capabilities() -> dict | None:
     return dict(get()) if get is not None else None
 
 
-def onednn_isa_cap(env: dict[str, str] | None = None) -> str | None:
+def onednn_isa_cap(env: Mapping[str, str] | None = None) -> str | None:
     """The ISA cap oneDNN was given (ONEDNN_MAX_CPU_ISA, else DNNL_MAX_CPU_ISA), upper case; None
     when neither is set."""
     env = os.environ if env is None else env
@@ -100,10 +102,11 @@ def onednn_isa_cap(env: dict[str, str] | None = None) -> str | None:
     return None
 
 
-def cpu_amx_bf16(env: dict[str, str] | None = None) -> tuple[bool, str]:
-    """Whether bf16 CPU matmuls here run on AMX tiles, and why (module note)."""
-    caps = _torch_cpu_capabilities()
-    flags = _proc_cpuinfo_flags()
+def amx_bf16_decision(caps: Mapping[str, bool] | None, flags: set[str] | None,
+                      env: Mapping[str, str]) -> tuple[bool, str]:
+    """Whether bf16 CPU matmuls run on AMX tiles, and why (module note), from the three answers:
+    torch's capability query `caps` (None: this torch has none), the /proc/cpuinfo `flags` (None:
+    no such file) and the environment `env` holding oneDNN's ISA cap. A pure function."""
     if caps is None and flags is None:
         return False, "no CPU capability query available"
     if caps is not None and not caps.get("amx_bf16", False):
@@ -114,6 +117,18 @@ def cpu_amx_bf16(env: dict[str, str] | None = None) -> tuple[bool, str]:
     if cap is not None and cap not in _ONEDNN_UNCAPPED and "AMX" not in cap:
         return False, f"AMX-BF16 CPU, but oneDNN is capped below AMX (MAX_CPU_ISA={cap})"
     return True, "CPU with AMX-BF16"
+
+
+def auto_dtype(device_type: str, caps: Mapping[str, bool] | None, flags: set[str] | None,
+               env: Mapping[str, str]) -> tuple[str, str]:
+    """`train.dtype=auto` on a device of `device_type`: ("bf16" | "fp32", reason), a pure function of
+    the CPU answers `amx_bf16_decision` takes (read on the CPU only)."""
+    if device_type == "cuda":
+        return "bf16", "auto: CUDA"
+    if device_type == "cpu":
+        amx, why = amx_bf16_decision(caps, flags, env)
+        return ("bf16" if amx else "fp32"), f"auto: {why}"
+    return "fp32", f"auto: no autocast on {device_type}"
 
 
 def resolve_device(name: str, backend: str | None = None) -> tuple[torch.device, str]:
@@ -144,20 +159,18 @@ def resolve_device(name: str, backend: str | None = None) -> tuple[torch.device,
     return torch.device("cuda", local_rank), reason
 
 
-def resolve_dtype(name: str, device: torch.device, env: dict[str, str] | None = None) -> tuple[str, str]:
-    """`train.dtype` -> ("bf16" | "fp32", reason) for `device` (module note)."""
+def resolve_dtype(name: str, device: torch.device, env: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """`train.dtype` -> ("bf16" | "fp32", reason) for `device` (module note); "auto" is `auto_dtype`
+    on this machine's live answers (`env`: default os.environ)."""
     if name in ("bf16", "fp32"):
         if name == "bf16" and not torch.amp.is_autocast_available(device.type):
             raise ValueError(f"train.dtype={name!r}: torch has no autocast on device {device.type!r}")
         return name, f"train.dtype={name!r}"
     if name != "auto":
         raise ValueError(f"train.dtype={name!r}: must be one of auto, bf16, fp32")
-    if device.type == "cuda":
-        return "bf16", "auto: CUDA"
-    if device.type == "cpu":
-        amx, why = cpu_amx_bf16(env)
-        return ("bf16" if amx else "fp32"), f"auto: {why}"
-    return "fp32", f"auto: no autocast on {device.type}"
+    if device.type != "cpu":  # the CPU queries are not read where they decide nothing
+        return auto_dtype(device.type, None, None, {})
+    return auto_dtype("cpu", _torch_cpu_capabilities(), _proc_cpuinfo_flags(), os.environ if env is None else env)
 
 
 def resolve(device: str | torch.device, dtype: str, backend: str | None = None,

@@ -83,20 +83,25 @@ def _to_local(t: DTensor, meshes: Meshes) -> DTensor:
                               shape=torch.Size(shape), stride=_contiguous_stride(shape))
 
 
-def _convert(model_sd: dict, optim_sd: dict, experts: Sequence[str], fn: Callable) -> tuple[dict, dict]:
+def _convert(model_sd: dict, optim_sd: dict | None, experts: Sequence[str], fn: Callable,
+             ) -> tuple[dict, dict | None]:
     model_sd = {k: fn(v) if k in experts else v for k, v in model_sd.items()}
+    if optim_sd is None:
+        return model_sd, None
     state = {k: ({n: fn(v) if isinstance(v, DTensor) else v for n, v in s.items()} if k in experts else s)
              for k, s in optim_sd["state"].items()}
     return model_sd, {**optim_sd, "state": state}
 
 
-def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer, experts: Sequence[str],
+def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, experts: Sequence[str],
                  meshes: Meshes | None) -> dict[str, dict]:
-    """{"model", "optim"}: name-keyed state dicts with the experts at their global shape."""
-    model_sd, optim_sd = get_model_state_dict(model), get_optimizer_state_dict(model, optimizer)
+    """{"model", "optim"}: name-keyed state dicts with the experts at their global shape ("model"
+    alone without an optimizer)."""
+    model_sd = get_model_state_dict(model)
+    optim_sd = get_optimizer_state_dict(model, optimizer) if optimizer is not None else None
     if meshes is not None:
         model_sd, optim_sd = _convert(model_sd, optim_sd, experts, lambda t: _to_global(t, meshes))
-    return {"model": model_sd, "optim": optim_sd}
+    return {"model": model_sd} if optim_sd is None else {"model": model_sd, "optim": optim_sd}
 
 
 def _dcp(fn: Callable, state: dict, path: Path, distributed: bool) -> None:
@@ -140,28 +145,43 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.opti
 
 
 def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-         experts: Sequence[str] = (), meshes: Meshes | None = None) -> dict[str, Any]:
+         experts: Sequence[str] = (), meshes: Meshes | None = None,
+         optimizer_state: bool = True) -> dict[str, Any]:
     """Fill model and optimizer from a checkpoint written at any world size (collective with
     `meshes`), or from an older one-process `state.pt` (one process only); returns the trainer state
-    (step, RNG, ...)."""
+    (step, RNG, ...). `optimizer_state=False` fills the model alone and leaves `optimizer` as built:
+    a resume that changed train.optimizer, whose checkpoint holds another optimizer's state (other
+    keys: Muon's momentum buffers, AdamW's moments and param-group fields), which DCP cannot load."""
     if not (Path(path) / ckpt.COMPLETE_MARKER).is_file():
         raise ValueError(f"load: {str(path)!r} has no {ckpt.COMPLETE_MARKER} marker (unfinished save)")
+    # A param group's settings (betas, eps, weight decay, ...) are the run's config, not state: loading
+    # the checkpoint's would silently undo a train.* change on resume, so the built ones are put back.
+    settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     if not ckpt.is_dcp_checkpoint(path):
         if meshes is not None:
             raise ValueError(f"--resume: {path} is an older one-process checkpoint (state.pt); resume it "
                              "in one process (its next checkpoint is in the format every world size reads)")
         state = ckpt.load_checkpoint(path)
         model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        if optimizer_state:
+            optimizer.load_state_dict(state["optimizer"])
+            _restore_settings(optimizer, settings)
         return state
-    state = _state_dicts(model, optimizer, experts, meshes)
+    state = _state_dicts(model, optimizer if optimizer_state else None, experts, meshes)
     _dcp(dcp.load, state, Path(path), meshes is not None)
-    model_sd, optim_sd = state["model"], state["optim"]
+    model_sd, optim_sd = state["model"], state.get("optim")
     if meshes is not None:
         model_sd, optim_sd = _convert(model_sd, optim_sd, experts, lambda t: _to_local(t, meshes))
     set_model_state_dict(model, model_sd)
-    set_optimizer_state_dict(model, optimizer, optim_sd)
+    if optim_sd is not None:
+        set_optimizer_state_dict(model, optimizer, optim_sd)
+        _restore_settings(optimizer, settings)
     return trainer_state(path)
+
+
+def _restore_settings(optimizer: torch.optim.Optimizer, settings: list[dict[str, Any]]) -> None:
+    for group, built in zip(optimizer.param_groups, settings, strict=True):
+        group.update(built)
 
 
 def load_full_model(path: Path, model: torch.nn.Module) -> dict[str, Any]:

@@ -55,7 +55,7 @@ from .health import TrainHealth, global_aux_terms
 from .nonfinite import NonFiniteGuard
 from .optim import build_optimizer, step_unless
 from .replay_data import ReplayData
-from .resume import check_resume_config, report_resume
+from .resume import check_resume_config, optimizer_note, report_resume
 from .ep_replicas_train import HotReplicas
 from .overflow import OverflowGuard, build_guard
 from .schedule import lr_at
@@ -168,8 +168,9 @@ class Trainer:
             raise FileNotFoundError(f"--resume: no complete checkpoint under {self.run_dir / 'checkpoints'}")
         saved = dist_checkpoint.trainer_state(path)
         changes = check_resume_config(saved["config"], self.cfg, int(saved["step"]))
+        fresh = optimizer_note(changes)  # another optimizer's state is not loaded (resume.py)
         state = dist_checkpoint.load(path, self.model, self.optimizer, experts=self.expert_names,
-                                     meshes=self.meshes)
+                                     meshes=self.meshes, optimizer_state=fresh is None)
         ckpt.set_rng_state(state["rng"])
         self.nonfinite.load_state_dict(state.get("nonfinite", {}))
         self.start_step = int(state["step"])
@@ -180,7 +181,7 @@ class Trainer:
         if self.is_main:
             for log in (self.metrics, self.routing, self.health_log):
                 log.truncate_from(self.start_step)
-            report_resume(path, state, self.world_size, changes, self.metrics)
+            report_resume(path, state, self.world_size, changes, self.metrics, [fresh] if fresh else [])
         if self.distributed:
             dist.barrier()  # the logs are cut before any rank reads them
 

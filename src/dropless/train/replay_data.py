@@ -18,7 +18,9 @@ real targets) and ids spread round-robin over the experts ((p * K + k) mod E at 
 model is causal and routes each token alone, so padding after a sequence cannot change its real
 tokens' outputs; it does enter what is averaged over every position of the micro-batch: the
 balancing losses (aux, z, sequence aux), the routing statistics and their counts (round-robin ids
-keep those balanced). A record of equal-length sequences has no padding.
+keep those balanced). A record of equal-length sequences has no padding. With model.mtp_depth D
+the MTP modules embed targets as input tokens: layers/mtp.py embeds a padded one as id 0 and trains
+on real (input, target) pairs only; a batch is padded to at least D + 1 positions, which module D needs.
 
 Order. Slot j of micro-batch m of step s takes the record's sequence at position
 g = ((s - s0) * A * W + m) * B + j (A = train.grad_accum, W processes, m the one-process micro index
@@ -78,6 +80,8 @@ class ReplayData:
         if longest > cfg.model.max_seq_len:
             raise ValueError(f"data.replay_routing={path}: a sequence of {longest} inputs exceeds "
                              f"model.max_seq_len={cfg.model.max_seq_len}")
+        # the MTP modules need more positions than modules (layers/mtp.py); the extra ones are padding
+        self.min_len = cfg.model.mtp_depth + 1
         self.start_step = 0
         self.micro_per_step = micro_per_step or cfg.train.grad_accum
 
@@ -126,7 +130,7 @@ class ReplayData:
     def batch(self, step: int, micro_index: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """(x_BS, y_BS, per MoE layer ids_BSK), int64, on the device; right-padded (module note)."""
         chosen = [self.seqs[i] for i in self.indices(step, micro_index)]
-        S = max(x.numel() for x, _, _ in chosen)
+        S = max(max(x.numel() for x, _, _ in chosen), self.min_len)
         B, L, K, E = len(chosen), chosen[0][2].shape[0], self.K, self.E
         x_BS = torch.zeros(B, S, dtype=torch.long)
         y_BS = torch.full((B, S), IGNORE_INDEX, dtype=torch.long)

@@ -23,10 +23,17 @@ What may change on resume:
 - `data.tokenizer` and `data.tokenizer_path` are refused as well: the embedding rows are one
   tokenizer's vocabulary (another tokenizer.json would silently train them under other ids).
 - Everything else (train.*, data.*, log.*, parallel.*) may change; each change is printed and written to
-  metrics.jsonl in the resume row `{"step", "resumed_from", "world_size", "config_changes"}`.
+  metrics.jsonl in the resume row `{"step", "resumed_from", "world_size", "config_changes"}`, with
+  what a change means for the resumed run in its "notes".
   `train.steps` must be at least the checkpoint's step. The learning rate is a function of the step
   and of train.steps, warmup_steps, schedule, ...: a longer cosine run continues on the new, longer
   curve from the resumed step (a jump up in lr); a WSD run extends cleanly while on its plateau.
+- `train.optimizer` may change (adamw, adamw_bf16, muon, either way): the checkpoint's weights load,
+  its optimizer state (another optimizer's: other keys and meanings) does not, and the new optimizer
+  starts fresh at the resumed step (zero moments and momenta, its step count at 0: bias correction
+  restarts), which the resume note says. Unchanged, the optimizer state loads as always (exact).
+  The optimizer's settings (train.beta1, beta2, eps, weight_decay, ...) are the new config's: a
+  checkpoint's param groups hold them too, and dist_checkpoint.load puts the built ones back.
 """
 
 from __future__ import annotations
@@ -89,19 +96,33 @@ def check_resume_config(saved: dict[str, Any], cfg: RunConfig, step: int) -> Cha
     return changes
 
 
+def optimizer_note(changes: Changes) -> str | None:
+    """The note for a resume that changed train.optimizer (its state starts fresh), else None."""
+    if "train.optimizer" not in changes:
+        return None
+    old, new = changes["train.optimizer"]
+    return (f"train.optimizer changed from {old!r} to {new!r}: the checkpoint's weights are loaded and its "
+            f"{old} state is not; {new} starts from a fresh state (zero moments, step count 0)")
+
+
 def describe(changes: Changes) -> list[str]:
     return [f"{name}: {old!r} -> {new!r}" for name, (old, new) in changes.items()]
 
 
-def report_resume(path: Path, state: dict[str, Any], world_size: int, changes: Changes, metrics: Any) -> None:
-    """Say where the run resumed and what changed: stdout, and one row of metrics.jsonl (a JsonlLog)."""
+def report_resume(path: Path, state: dict[str, Any], world_size: int, changes: Changes, metrics: Any,
+                  notes: list[str] | None = None) -> None:
+    """Say where the run resumed, what changed and what that means (`notes`): stdout, and one row of
+    metrics.jsonl (a JsonlLog)."""
     step, saved_world = int(state["step"]), int(state.get("world_size", 1))
     moved = f" (written by {saved_world} processes, now {world_size})" if saved_world != world_size else ""
     print(f"resumed from {path} at step {step}{moved}")
     for line in describe(changes):
         print(f"config change on resume: {line}")
-    metrics.write({"step": step, "resumed_from": Path(path).name, "world_size": world_size,
-                   "saved_world_size": saved_world, "config_changes": {k: list(v) for k, v in changes.items()}})
+    for note in notes or []:
+        print(f"note on resume: {note}")
+    row = {"step": step, "resumed_from": Path(path).name, "world_size": world_size,
+           "saved_world_size": saved_world, "config_changes": {k: list(v) for k, v in changes.items()}}
+    metrics.write({**row, "notes": notes} if notes else row)
 
 
 def run_config(run_dir: Path, saved: dict[str, Any] | None, overrides: list[str]) -> RunConfig:
