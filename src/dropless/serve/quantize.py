@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from ..config import RunConfig
-from ..layers.packed_experts import PACKED_FORMATS, check_format, check_packable
+from ..layers.packed_experts import PACKED_FORMATS, check_format
 from ..model import MoEModel
 from ..train.data import eval_batches
 from . import packed
@@ -152,10 +152,11 @@ def quantize_run(run_dir: str | Path, fmt: str, out: str | Path) -> Path:
     if packed.is_packed_run(run_dir):
         raise ValueError(f"RUN_DIR={str(run_dir)!r} is already a packed run; quantise the original run")
     cfg, path = run_config(run_dir)
-    if not cfg.model.n_moe_layers:
+    shapes = packed.meta_model(cfg.model)  # the widths as the modules have them, nothing allocated
+    if not shapes.moe_layers():
         raise ValueError(f"model.n_dense_layers={cfg.model.n_dense_layers} = model.n_layers: the run has "
                          "no routed experts to pack")
-    check_packable(fmt, cfg.model.d_model, cfg.model.moe.d_expert)
+    packed.check_model_packable(shapes, fmt)
     model, cfg = load_model(run_dir, "cpu")
     step = int(path.name.split("_")[-1])
     return packed.save_packed(packed.pack_model(model, fmt), cfg, out, fmt, run_dir, step)
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                 variants = {args.experts: load_model(args.out, "cpu")[0]}
             else:
                 for fmt in formats:
-                    check_packable(fmt, cfg.model.d_model, cfg.model.moe.d_expert)
+                    packed.check_model_packable(original, fmt)
                 variants = {fmt: packed.pack_model(copy.deepcopy(original), fmt) for fmt in formats}
             r = report(args.run_dir, variants, original, cfg, args.max_batches)
             print(format_report(r))
