@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .expert_slots import ExpertSlots
 from .layers import offload, recompute
 from .layers.kv_cache import KVCache, LayerKVCache
 from .layers.mla import LatentAttention
@@ -251,6 +252,12 @@ class MoEModel(nn.Module):
     def moe_layers(self) -> list[MoELayer]:
         return [b.ffn for b in self.blocks if b.is_moe]
 
+    def expert_slots(self) -> ExpertSlots:
+        """The MoE layers' expert slots (expert_slots.py; every layer has the same). A model without
+        MoE layers routes nothing: the config's."""
+        layers = self.moe_layers()
+        return layers[0].slots if layers else ExpertSlots.from_config(self.cfg.moe)
+
     def forward(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor | None = None,
                 replay_ids: list[torch.Tensor] | None = None, *, positions_BS: torch.Tensor | None = None,
                 cache: KVCache | None = None, valid_BS: torch.Tensor | None = None) -> ModelOutput:
@@ -316,7 +323,7 @@ class MoEModel(nn.Module):
         total = sum(p.numel() for p in self.parameters())
         active = total
         for layer in self.moe_layers():
-            E, K = layer.cfg.num_experts, layer.cfg.top_k
+            E, K = layer.slots.routed, layer.cfg.top_k
             expert = layer.experts.w_gate_up_EDF.numel() + layer.experts.w_down_EFD.numel()
             active -= expert * (E - K) // E
         return {"total": total, "active": active}

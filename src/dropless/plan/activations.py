@@ -57,6 +57,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..config import ModelConfig
+from ..expert_slots import ExpertSlots
 from ..layers import offload as offload_mod
 from ..layers import recompute as recompute_mod
 from ..layers.experts import ExpertBatch, GroupedExperts
@@ -355,7 +356,7 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, bf16: bool,
     where = experts_kept_on(cfg)
     if n_moe and ep_rows is not None and where != "recomputed":
         L, R = ep_rows
-        E, K = cfg.moe.num_experts, cfg.moe.top_k
+        E, K = ExpertSlots.from_config(cfg.moe).routed, cfg.moe.top_k
         delta = expert_bytes(cfg, L, R, bf16) - expert_bytes(cfg, E, T * K, bf16, local=True)
         if where == "host":
             moe_host += delta

@@ -49,6 +49,7 @@ import torch
 
 from ..config import RunConfig
 from ..distributed.ep_plan import link_capacity
+from ..expert_slots import ExpertSlots
 from ..config import apply_overrides
 from ..model import MoEModel
 from ..ops import quant_gemm
@@ -136,7 +137,7 @@ def ep_rows(cfg: RunConfig, tokens: int, world: int) -> tuple[int, int] | None:
     p, m = cfg.parallel, cfg.model.moe
     if world == 1:
         return None
-    L = m.num_experts // p.ep_size
+    L = ExpertSlots.from_config(m).sharded(p.ep_size).local
     align = math.lcm(m.align, quant_gemm.plan_align(m.precision, 1))  # layers/dispatch.py dispatch_align
     if p.ep_mode == "buffered":
         slots = p.ep_size * link_capacity(p.max_tokens_per_rank or tokens, m.top_k, L, p.ep_size,
@@ -159,7 +160,8 @@ def ep_buffer_bytes(cfg: RunConfig, tokens: int, bf16: bool, world: int) -> int:
     p, m = cfg.parallel, cfg.model.moe
     if world == 1 or cfg.model.n_layers == cfg.model.n_dense_layers:
         return 0
-    P, K, D, L = p.ep_size, m.top_k, cfg.model.d_model, m.num_experts // p.ep_size
+    slots = ExpertSlots.from_config(m).sharded(p.ep_size)
+    P, K, D, L = p.ep_size, m.top_k, cfg.model.d_model, slots.local
     x_es = 4  # the MoE layer's input is the fp32 residual stream, normed (even under autocast)
     y_es = 2 if bf16 else 4  # the experts' output rows: the compute dtype
     counts = 2 * P * (L + 1) * 8
@@ -169,7 +171,7 @@ def ep_buffer_bytes(cfg: RunConfig, tokens: int, bf16: bool, world: int) -> int:
         pairs = P * C
     else:
         pairs = tokens * K
-        rows = round(tokens * _expected_rank_hits(m.num_experts, K, L)) if p.dedup else pairs
+        rows = round(tokens * _expected_rank_hits(slots.routed, K, L)) if p.dedup else pairs
     meta_w = 8 if p.dedup else 4  # per pair: fp32 weight (+ int32 row index with de-dup)
     dispatch = (2 * rows + 1) * D * x_es + (2 * pairs + 1) * meta_w
     combine = (2 * rows + (0 if p.dedup else 1)) * D * y_es

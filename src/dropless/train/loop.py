@@ -249,7 +249,7 @@ class Trainer:
         t = self.cfg.train
         if self.cfg.model.moe.balance.global_aux_loss_coeff == 0 or t.grad_accum == 1:
             return None
-        L, E = self.cfg.model.n_moe_layers, self.cfg.model.moe.routed_experts  # identity experts too
+        L, E = len(self.model.moe_layers()), self.model.expert_slots().selectable  # identity experts too
         counts = torch.zeros(L, E, device=self.device)
         with torch.no_grad():
             for micro in range(t.grad_accum):
