@@ -1,6 +1,6 @@
 """ExpertSlots (expert_slots.py): the counts for plain, identity and replicated layers, and the consumers
 asking the built layer agree with it (router rows, expert weights, dispatcher groups, statistics,
-the monitor's tables, the packed experts, the replica tables, the planner).
+the monitor's tables, routing records, the packed experts, the replica tables, the planner).
 
 Shapes: E=4 routed experts, Z=2 identity experts (the default tiny run with the identity knob), and
 for the replica mapping E=8 over P=2 ranks with S=1 spare slot (L=4: an owner slot of rank 1 sits
@@ -18,6 +18,7 @@ from dropless.expert_slots import ExpertSlots
 from dropless.model import MoEModel
 from dropless.plan.model import ep_rows
 from dropless.serve import packed
+from dropless.serve.routing_record import RoutingRecord
 from dropless.train.health import TrainHealth
 from tiny_run import tiny
 
@@ -74,6 +75,9 @@ def test_consumers_size_by_the_slots(tmp_path: Path) -> None:
     # the monitor's per-expert tables: every selectable expert
     health = TrainHealth(model, tmp_path, torch.zeros(1, 4, dtype=torch.long), write=False)
     assert health.acc.E == health.acc.counts_LE.shape[1] == slots.selectable
+    # a routing record's id range and its identity experts
+    rec = RoutingRecord.for_model(model, [torch.arange(3)], [torch.full((1, 3, 2), slots.selectable - 1)], "x")
+    assert (rec.num_experts, rec.identity_experts) == (slots.selectable, slots.identity)
     # the planner's local experts under EP
     cfg = tiny(f"model.moe.n_identity_experts={Z}", "parallel.ep_size=2")
     assert ep_rows(cfg, 64, 2)[0] == ExpertSlots.from_config(cfg.model.moe).sharded(2).local == 2
