@@ -30,8 +30,10 @@ REPL = ("parallel.replicate_hot_experts=1", "parallel.replica_interval=2")
 
 def _trainer(root: Path, name: str, extra: tuple[str, ...]) -> Trainer:
     trainer = Trainer(tiny(*BASE, *extra), root / name)
-    for layer in trainer.model.moe_layers():  # rank 0's experts are the hot ones; identity ones neutral
-        layer.router.set_bias(torch.tensor([1.0, 0.5, 0.0, 0.0, 0.0, 0.0]))
+    # every token picks identity expert 4 and one of rank 0's experts 0, 1: expert 4 is the busiest of
+    # all, but a copy of it would be meaningless (and has no slot), so the plan must skip to expert 0/1
+    for layer in trainer.model.moe_layers():
+        layer.router.set_bias(torch.tensor([0.3, 0.3, 0.0, 0.0, 2.0, 0.0]))
     return trainer
 
 
