@@ -1,6 +1,7 @@
 """ExpertSlots (expert_slots.py): the counts for plain, identity and replicated layers, and the consumers
 asking the built layer agree with it (router rows, expert weights, dispatcher groups, statistics,
-the monitor's tables, routing records, the packed experts, the replica tables, the planner).
+the monitor's tables, routing records, serving's top-k, the packed experts, the replica tables,
+the planner).
 
 Shapes: E=4 routed experts, Z=2 identity experts (the default tiny run with the identity knob), and
 for the replica mapping E=8 over P=2 ranks with S=1 spare slot (L=4: an owner slot of rank 1 sits
@@ -19,6 +20,7 @@ from dropless.model import MoEModel
 from dropless.plan.model import ep_rows
 from dropless.serve import packed
 from dropless.serve.routing_record import RoutingRecord
+from dropless.serve.serving import serving_top_k
 from dropless.train.health import TrainHealth
 from tiny_run import tiny
 
@@ -78,6 +80,11 @@ def test_consumers_size_by_the_slots(tmp_path: Path) -> None:
     # a routing record's id range and its identity experts
     rec = RoutingRecord.for_model(model, [torch.arange(3)], [torch.full((1, 3, 2), slots.selectable - 1)], "x")
     assert (rec.num_experts, rec.identity_experts) == (slots.selectable, slots.identity)
+    # serving may run up to every selectable expert per token, as the router can choose them
+    assert serving_top_k(model.cfg, 6).moe.top_k == 6
+    with pytest.raises(ValueError, match=r"--serve-top-k=7 \(k1\): exceeds model.moe.num_experts=4 \+ "
+                                         r"n_identity_experts=2"):
+        serving_top_k(model.cfg, 7)
     # the planner's local experts under EP
     cfg = tiny(f"model.moe.n_identity_experts={Z}", "parallel.ep_size=2")
     assert ep_rows(cfg, 64, 2)[0] == ExpertSlots.from_config(cfg.model.moe).sharded(2).local == 2
