@@ -66,7 +66,8 @@ def test_the_skeleton_is_built_on_meta_with_the_built_widths() -> None:
     ref = packed.meta_model(cfg)
     for layer, meta_layer in zip(skeleton.moe_layers(), ref.moe_layers(), strict=True):
         E, D, F = packed.expert_shape(meta_layer)
-        assert (layer.experts.num_experts, layer.experts.d_model, layer.experts.d_expert) == (E, D, F) == (4, 32, 32)
+        packed_shape = (layer.experts.num_experts, layer.experts.d_model, layer.experts.d_expert)
+        assert packed_shape == (E, D, F) == (4, 32, 32)
 
 
 @pytest.fixture(scope="module")

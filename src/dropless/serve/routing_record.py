@@ -29,7 +29,8 @@ truncated or damaged file is refused instead of read as shifted ids.
 `config_hash` is a short hash of the model fields that define the network and how it routes (the
 fields a resumed run may not change, train/resume.py): two runs' records share it exactly when their
 ids mean the same experts of the same architecture. The trainer checks the fields it needs (layers,
-K, E, identity experts, vocabulary) by name; the hash and step are for people tracing which policy produced a record.
+K, E, identity experts, vocabulary) by name; the hash and step are for people tracing which policy
+produced a record.
 """
 
 from __future__ import annotations

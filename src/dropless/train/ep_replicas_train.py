@@ -5,10 +5,11 @@ Legend: P EP ranks, E experts, L = E/P own experts per rank, S spare slots per r
 Every MoE layer's EP dispatcher becomes a `HotReplicaDispatcher` (distributed/ep_replicas.py) with
 S = ceil(R / (P - 1)) spare slots per rank (a copy never sits on its owner), and every layer's `slots`
 gain them (expert_slots.py). The layers' per-expert counts of their routed experts (identity experts
-compute nothing and need no copy; the layer counts them after the routed ones) are summed on the device every micro-batch (no host read); every `replica_interval` steps,
-after the step, one all-reduce of the interval's counts over the whole job and one host read give
-each layer its placement (`plan_replicas`: the R busiest experts, hottest first, one copy each on the
-least-loaded other rank). Every rank computes the same placement from the same sums. Installing it
+compute nothing and need no copy; the layer counts them after the routed ones) are summed on the
+device every micro-batch (no host read); every `replica_interval` steps, after the step, one
+all-reduce of the interval's counts over the whole job and one host read give each layer its
+placement (`plan_replicas`: the R busiest experts, hottest first, one copy each on the least-loaded
+other rank). Every rank computes the same placement from the same sums. Installing it
 moves no weights: the copies are fetched from their owners in every layer call (the dispatcher's
 note), so the parameters, the optimizer state, the gradient norm and the checkpoints hold the E
 logical experts only, and a resume with another placement or none continues the same model.
