@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .expert_slots import ExpertSlots
 from .layers import offload, recompute
 from .layers.kv_cache import KVCache, LayerKVCache
 from .layers.mla import LatentAttention
@@ -205,6 +206,10 @@ class ModelOutput:
         return [m.stats for m in self.moe]
 
 
+def _rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    return rotary_tables(cfg.max_seq_len, cfg.rope_width, cfg.rope_theta, cfg.rope_yarn)
+
+
 class MoEModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -229,12 +234,29 @@ class MoEModel(nn.Module):
         # Residual branches start small so that depth does not blow up the residual stream.
         for block in [*self.blocks, *(m.block for m in self.mtp)]:
             nn.init.normal_(block.attn.out.weight, std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
-        cos, sin = rotary_tables(cfg.max_seq_len, cfg.rope_width, cfg.rope_theta, cfg.rope_yarn)
+        cos, sin = _rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    def materialize(self, device: torch.device | str) -> "MoEModel":
+        """A model built on the meta device, on `device`: parameters and persistent buffers allocated
+        but not initialised (for load_state_dict to fill), the tied head tied again (`to_empty` gives
+        each module a tensor of its own) and the rotary tables (computed, never stored) computed."""
+        self.to_empty(device=device)
+        if self.cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+        cos, sin = _rope_tables(self.cfg)
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+        return self
+
     def moe_layers(self) -> list[MoELayer]:
         return [b.ffn for b in self.blocks if b.is_moe]
+
+    def expert_slots(self) -> ExpertSlots:
+        """The MoE layers' expert slots (expert_slots.py; every layer has the same). A model without
+        MoE layers routes nothing: the config's."""
+        layers = self.moe_layers()
+        return layers[0].slots if layers else ExpertSlots.from_config(self.cfg.moe)
 
     def forward(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor | None = None,
                 replay_ids: list[torch.Tensor] | None = None, *, positions_BS: torch.Tensor | None = None,
@@ -301,7 +323,7 @@ class MoEModel(nn.Module):
         total = sum(p.numel() for p in self.parameters())
         active = total
         for layer in self.moe_layers():
-            E, K = layer.cfg.num_experts, layer.cfg.top_k
+            E, K = layer.slots.routed, layer.cfg.top_k
             expert = layer.experts.w_gate_up_EDF.numel() + layer.experts.w_down_EFD.numel()
             active -= expert * (E - K) // E
         return {"total": total, "active": active}

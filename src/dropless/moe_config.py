@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .configtree import _choice, _fail, _positive
+from .expert_slots import ExpertSlots
 
 SCORE_FUNCS = ("softmax", "sigmoid", "sqrt_softplus")
 ACTIVATIONS = ("swiglu", "geglu", "relu2")
@@ -212,7 +213,8 @@ class MoEConfig:
             _fail(f"{prefix}.n_identity_experts", self.n_identity_experts,
                   "needs the dropless path (capacity_factor=None): identity pairs leave the plan as "
                   "invalid slots, which the capacity layout does not take")
-        if self.top_k > self.routed_experts:
+        selectable = ExpertSlots.from_config(self).selectable
+        if self.top_k > selectable:
             _fail(f"{prefix}.top_k", self.top_k, f"exceeds num_experts={self.num_experts}"
                   + (f" + n_identity_experts={self.n_identity_experts}" if self.n_identity_experts else ""))
         _positive(f"{prefix}.d_expert", self.d_expert)
@@ -238,7 +240,7 @@ class MoEConfig:
             self.router = RouterConfig(**self.router)
         if isinstance(self.balance, dict):
             self.balance = BalanceConfig(**self.balance)
-        self.router.validate(f"{prefix}.router", self.routed_experts, self.top_k)
+        self.router.validate(f"{prefix}.router", selectable, self.top_k)
         self.balance.validate(f"{prefix}.balance")
         if self.capacity_factor is not None and self.router.strategy in ("expert_choice", "expert_threshold"):
             # their routing has a validity mask (a variable number of experts per token); the capacity
@@ -252,20 +254,15 @@ class MoEConfig:
         if self.balance.quantile_balance and not self.router.use_expert_bias:
             _fail(f"{prefix}.balance.quantile_balance", True, "needs router.use_expert_bias=true")
         r = self.router
-        if (self.balance.bias_update_rate >= 1.0 / self.routed_experts and r.score_func == "softmax"
+        if (self.balance.bias_update_rate >= 1.0 / selectable and r.score_func == "softmax"
                 and r.pre_softmax):
             # Selection is on softmax probabilities, whose mean is 1/E: a sign step that large moves
             # an expert across every other expert's scores at once, so the loads flip wholesale from
             # step to step instead of converging. (Post-softmax selects on logits, where the bias is
             # in logit units and this bound does not apply.)
             _fail(f"{prefix}.balance.bias_update_rate", self.balance.bias_update_rate,
-                  f"must be < 1/num_experts={1.0 / self.routed_experts:.3g} with softmax (pre-softmax) "
+                  f"must be < 1/num_experts={1.0 / selectable:.3g} with softmax (pre-softmax) "
                   "scores: one step would outweigh the mean probability and the loads oscillate")
-
-    @property
-    def routed_experts(self) -> int:
-        """What the router chooses among: the real experts, then the identity experts."""
-        return self.num_experts + self.n_identity_experts
 
     @property
     def shared_width(self) -> int:

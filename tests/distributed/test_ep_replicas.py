@@ -37,7 +37,7 @@ def test_plan_replicas_balances_the_two_ranks() -> None:
 
 def _same_as_owner(layer: MoELayer, opt: torch.optim.Optimizer, rank: int) -> None:
     disp = layer.dispatcher
-    L = disp.inner.num_local - disp.spare
+    L = disp.slots.local
     for r in disp.replicas:
         for name in rep.WEIGHTS:
             p = getattr(layer.experts, name)

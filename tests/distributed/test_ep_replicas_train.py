@@ -40,7 +40,7 @@ T, E, K, D = 48, 8, 2, 8
 
 def _copies_are_owners(layer: MoELayer, rank: int) -> None:
     disp, ex = layer.dispatcher, layer.experts
-    L = disp.logical_local
+    L = disp.slots.local
     grown = disp.grow(ex.w_gate_up_EDF.detach(), ex.w_down_EFD.detach())
     for r in disp.replicas:
         for w, g in zip((ex.w_gate_up_EDF, ex.w_down_EFD), grown):
@@ -56,7 +56,8 @@ def _layer_case(rank: int, world: int, mode: str, steps: int) -> None:
     ref = MoELayer(D, MoEConfig(num_experts=E, top_k=K, d_expert=6))
     pcfg = ParallelConfig(ep_size=world, ep_mode=mode, ragged_buffer_factor=-1, max_tokens_per_rank=T)
     layer = shard_moe_layer(copy.deepcopy(ref), None, pcfg)
-    layer.dispatcher = rep.HotReplicaDispatcher.wrap(layer.dispatcher, 1)
+    layer.slots = layer.slots.with_spare(1)
+    layer.dispatcher = rep.HotReplicaDispatcher.wrap(layer.dispatcher, layer.slots)
     opt = torch.optim.AdamW(layer.parameters(), lr=1e-2, foreach=False)
     L = E // world
     seen: dict[str, torch.Tensor] = {}

@@ -13,6 +13,7 @@ import torch
 
 from dropless import cli
 from dropless.config import to_dict
+from dropless.expert_slots import ExpertSlots
 from dropless.layers.packed_experts import PackedExperts
 from dropless.model import MoEModel
 from dropless.ops.quant import fake_quantize
@@ -127,6 +128,7 @@ def test_distinct_experts_on_hand_made_routing() -> None:
         assert x.shape == (4, 2)
         return SimpleNamespace(moe=[SimpleNamespace(ids_TK=ids.view(8, 2), valid_TK=valid.view(8, 2))])
 
+    model.expert_slots = lambda: ExpertSlots(4)
     got = distinct_experts(model, cfg, torch.arange(1000) % 256)
     assert got == {1: [15 / 8], 4: [3.0]}
 

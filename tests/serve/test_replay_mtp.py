@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dropless.expert_slots import ExpertSlots
 from dropless.model import MoEModel
 from dropless.train.loop import Trainer
 from dropless.train.replay_data import IGNORE_INDEX, ReplayData
@@ -53,7 +54,7 @@ def per_module_sums(model: MoEModel, xs: torch.Tensor, ys: torch.Tensor, ids_LSK
 def test_padded_mtp_loss_is_the_mean_over_real_pairs(tmp_path: Path, depth: int, lengths: list[int]) -> None:
     cfg = tiny(*CFG, f"train.batch_size={len(lengths)}", f"model.mtp_depth={depth}")
     expert_01_record(tmp_path / "r.rec", lengths=lengths)
-    data = ReplayData(tmp_path / "r.rec", cfg, torch.device("cpu"))
+    data = ReplayData(tmp_path / "r.rec", cfg, ExpertSlots.from_config(cfg.model.moe), torch.device("cpu"))
     x, y, ids = data.batch(0, 0)
     assert x.shape[1] >= depth + 1 and (y == IGNORE_INDEX).any()
     torch.manual_seed(0)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dropless.expert_slots import ExpertSlots
 from dropless.model import MoEModel
 from dropless.serve.routing_record import RoutingRecord
 from dropless.train.loop import Trainer
@@ -35,7 +36,7 @@ def expert_01_record(path: Path, lengths: list[int] | None = None, **model: str)
     seqs = text_sequences(6, 33) if lengths is None else [text_sequences(1, n)[0] for n in lengths]
     K = cfg.moe.top_k
     ids = [torch.arange(K).expand(cfg.n_moe_layers, s.numel(), K) for s in seqs]
-    rec = RoutingRecord.for_model(cfg, seqs, ids, "hand-made: experts 0 and 1")
+    rec = RoutingRecord.for_model(MoEModel(cfg), seqs, ids, "hand-made: experts 0 and 1")
     rec.save(path)
     return rec
 
@@ -67,7 +68,8 @@ def test_a_record_of_another_model_is_refused_and_nothing_is_written(tmp_path: P
     assert "header field moe_layers=[1, 2, 3]" in capsys.readouterr().err
     assert not (tmp_path / "run2").exists()
     with pytest.raises(ValueError, match="model.moe.router.strategy='expert_choice'"):
-        ReplayData(tmp_path / "k1.rec", tiny(*CFG, "model.moe.router.strategy=expert_choice"), torch.device("cpu"))
+        ReplayData(tmp_path / "k1.rec", tiny(*CFG, "model.moe.router.strategy=expert_choice"),
+                   ExpertSlots(4), torch.device("cpu"))
 
 
 def test_padding_leaves_the_real_tokens_alone(tmp_path: Path) -> None:
@@ -76,7 +78,7 @@ def test_padding_leaves_the_real_tokens_alone(tmp_path: Path) -> None:
     # the sampler's case: the last token of the second sequence was never routed
     rec.ids[1] = rec.ids[1][:, :11]
     rec.save(tmp_path / "r.rec")
-    data = ReplayData(tmp_path / "r.rec", cfg, torch.device("cpu"))
+    data = ReplayData(tmp_path / "r.rec", cfg, ExpertSlots.from_config(cfg.model.moe), torch.device("cpu"))
     x, y, ids = data.batch(0, 0)
     assert x.shape == y.shape == (3, 32) and [i.shape for i in ids] == [(3, 32, 2)] * 2
     torch.manual_seed(0)
@@ -102,13 +104,13 @@ def test_padding_leaves_the_real_tokens_alone(tmp_path: Path) -> None:
 def test_order_visits_every_sequence_once_per_epoch_and_restarts_with_a_new_record(tmp_path: Path) -> None:
     cfg = tiny(*CFG, "train.batch_size=2", "train.grad_accum=2")
     expert_01_record(tmp_path / "r.rec", lengths=[33, 30, 25, 20, 15])
-    data = ReplayData(tmp_path / "r.rec", cfg, torch.device("cpu"))
+    data = ReplayData(tmp_path / "r.rec", cfg, ExpertSlots.from_config(cfg.model.moe), torch.device("cpu"))
     seen = [i for step in range(5) for m in range(2) for i in data.indices(step, m)]  # 20 = 4 epochs
     for e in range(4):
         assert sorted(seen[5 * e:5 * e + 5]) == list(range(5))
     assert seen[:5] != seen[5:10] or seen[5:10] != seen[10:15]  # reshuffled per epoch
     state = data.state_dict()
-    again = ReplayData(tmp_path / "r.rec", cfg, torch.device("cpu"))
+    again = ReplayData(tmp_path / "r.rec", cfg, ExpertSlots.from_config(cfg.model.moe), torch.device("cpu"))
     assert again.resume(state, 3) is None and again.indices(3, 1) == data.indices(3, 1)
     assert again.resume({"fingerprint": "another", "start_step": 0}, 3) is not None
     assert again.indices(3, 0) == data.indices(0, 0)  # a new record starts from its first batch

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -79,6 +80,8 @@ def test_different_tokens_or_models_are_refused() -> None:
         routing_mismatch(rec([A, A]), rec([A]))
     with pytest.raises(ValueError, match="num_experts=4 in A, 8 in B"):
         routing_mismatch(rec([A]), rec([A], E=8))
+    with pytest.raises(ValueError, match="identity_experts=0 in A, 2 in B"):  # ids 2, 3: other experts
+        routing_mismatch(rec([A]), replace(rec([A]), identity_experts=2))
 
 
 def test_cli_prints_a_table_writes_json_and_refuses_without_writing(tmp_path, capsys) -> None:

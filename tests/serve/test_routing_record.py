@@ -115,11 +115,12 @@ def test_record_refuses_inconsistent_contents() -> None:
 
 
 def test_check_model_names_the_mismatched_field() -> None:
-    cfg = tiny(*CFG).model
-    rec = RoutingRecord.for_model(cfg, [torch.arange(4)], [torch.zeros(2, 4, 2, dtype=torch.long)], "x")
-    rec.check_model(cfg)
+    model = tiny_model()
+    rec = RoutingRecord.for_model(model, [torch.arange(4)], [torch.zeros(2, 4, 2, dtype=torch.long)], "x")
+    rec.check_model(model.cfg, model.expert_slots())
     for override, field in (("model.moe.top_k=1", "top_k"), ("model.moe.num_experts=8", "num_experts"),
                             ("model.n_layers=4", "moe_layers"), ("model.n_dense_layers=0", "moe_layers"),
                             ("model.vocab_size=512", "vocab_size")):
+        other = tiny_model(override)
         with pytest.raises(ValueError, match=f"header field {field}="):
-            rec.check_model(tiny(*CFG, override).model)
+            rec.check_model(other.cfg, other.expert_slots())

@@ -40,6 +40,7 @@ from ..distributed import ep_replicas as replicas
 from ..distributed.ep import EPDispatcher
 from ..distributed.ep_spill import SpillMeta
 from ..distributed.parallelize_ep import shard_moe_layer
+from ..expert_slots import ExpertSlots
 from ..layers.moe import MoELayer
 from ..layers.router import RoutingDecision
 from ..train.ep_buffers import AdaptiveBuffers
@@ -240,7 +241,7 @@ def replica_balance(args: argparse.Namespace) -> list[dict[str, Any]]:
                     for r in range(P)]
         counts = torch.bincount(torch.cat(step_ids(0)).reshape(-1), minlength=E)
         reps = replicas.plan_replicas(counts.tolist(), R, P, S)
-        tables = replicas.slot_tables(reps, E, P, S, torch.device("cpu"))
+        tables = replicas.slot_tables(reps, ExpertSlots(E, ep_size=P, spare=S), torch.device("cpu"))
         plain, replicated = torch.zeros(P, dtype=torch.float64), torch.zeros(P, dtype=torch.float64)
         worst_plain, worst_rep = 0.0, 0.0
         for step in range(1, args.steps + 1):

@@ -60,9 +60,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from ..config import MoEConfig, ParallelConfig
+from ..config import ParallelConfig
 from ..layers.dispatch import DispatchMeta, dispatch_align
-from ..layers.experts import ExpertBatch, GroupedExperts
+from ..layers.experts import ExpertBatch
+from ..layers.moe import MoELayer
 from ..layers.router import RoutingDecision
 from ..ops import permute as perm
 from . import comm, ep_spill
@@ -387,11 +388,12 @@ class EPDispatcher:
         return BagSum.apply(y_back, meta.back_seg, meta.back_bags, meta.num_tokens)
 
 
-def build_ep_dispatcher(moe: MoEConfig, experts: GroupedExperts, cfg: ParallelConfig,
-                        group: ProcessGroup | None) -> EPDispatcher:
-    """The EP twin of layers/dispatch.py `build_dispatcher`: the same row alignment (cfg.align and
-    what the experts need), buffers sized from `cfg.max_tokens_per_rank` and `moe.top_k`."""
-    return EPDispatcher(moe.num_experts, group, align=dispatch_align(moe, experts), mode=cfg.ep_mode,
+def build_ep_dispatcher(layer: MoELayer, cfg: ParallelConfig, group: ProcessGroup | None) -> EPDispatcher:
+    """The EP twin of layers/dispatch.py `build_dispatcher` for `layer` (built for one device): over
+    its routed experts, the same row alignment (moe.align and what the experts need), buffers sized
+    from `cfg.max_tokens_per_rank` and `moe.top_k`."""
+    moe = layer.cfg
+    return EPDispatcher(layer.slots.routed, group, align=dispatch_align(moe, layer.experts), mode=cfg.ep_mode,
                         dedup=cfg.dedup, ragged_buffer_factor=cfg.ragged_buffer_factor,
                         max_tokens=cfg.max_tokens_per_rank, top_k=moe.top_k, on_overflow=cfg.overflow_policy,
                         overlap_shared=cfg.overlap_shared)

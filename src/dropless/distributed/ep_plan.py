@@ -20,14 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..expert_slots import ExpertSlots
 from ..ops import permute as perm
 
 
 def local_expert_count(num_experts: int, ep_size: int) -> int:
-    if num_experts % ep_size:
-        raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}: expert "
-                         f"parallelism gives every rank the same number of experts")
-    return num_experts // ep_size
+    """Slots per rank of `num_experts` dispatcher slots over `ep_size` ranks (ValueError unless it divides)."""
+    return ExpertSlots(num_experts, ep_size=ep_size).local
 
 
 def link_capacity(num_tokens: int, top_k: int, num_local: int, ep_size: int, factor: float,

@@ -4,7 +4,11 @@ fetched from their owners each call (`HotReplicaDispatcher`, at the end; train/e
 
 Legend: P ranks, E experts, L = E/P own experts per rank, S spare slots per rank, T tokens, K slots.
     virtual slot v in [0, P*(L+S)): rank v // (L+S), local slot v % (L+S); a rank's slots are its L
-    own experts (global r*L + l at slot l), then its S spare slots
+    own experts (global r*L + l at slot l), then its S spare slots (expert_slots.py's physical slots:
+    the layer's `slots` carry P and S once replicated, and every count here is read from them)
+Identity experts (layers/identity.py) get no copies: they compute nothing, and their pairs never
+reach a dispatcher (they are invalid slots of the decision it sees), so only the E routed experts'
+counts are planned over.
 
 Under skewed routing the rank that owns a hot expert is every step's straggler. Replication gives the
 R busiest experts (global counts) a copy in a spare slot on another rank and sends part of each one's
@@ -41,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from ..expert_slots import ExpertSlots
 from ..layers.experts import ExpertBatch
 from ..layers.moe import MoELayer
 from ..layers.router import RoutingDecision
@@ -82,15 +87,14 @@ def plan_replicas(counts_E: list[int], num_replicas: int, ep_size: int, spare: i
     return tuple(out)
 
 
-def slot_tables(replicas: tuple[Replica, ...], num_experts: int, ep_size: int, spare: int,
+def slot_tables(replicas: tuple[Replica, ...], slots: ExpertSlots,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(owner slot per expert, copy slot per expert (= owner without a copy), fraction per expert)."""
-    L = num_experts // ep_size
-    e = torch.arange(num_experts)
-    owner = (e // L) * (L + spare) + e % L
-    copy, frac = owner.clone(), torch.zeros(num_experts)
+    """(owner slot per routed expert, copy slot per routed expert (= owner without a copy), fraction
+    per routed expert), physical slots of `slots`."""
+    owner = slots.owner_slot(torch.arange(slots.routed))
+    copy, frac = owner.clone(), torch.zeros(slots.routed)
     for rep in replicas:
-        copy[rep.expert] = rep.rank * (L + spare) + L + rep.slot
+        copy[rep.expert] = slots.spare_slot(rep.rank, rep.slot)
         frac[rep.expert] = rep.fraction
     return owner.to(device), copy.to(device), frac.to(device)
 
@@ -107,14 +111,14 @@ def virtual_ids(ids_TK: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor, 
 class ReplicatedDispatcher:
     """The dispatcher contract over virtual slots (an EPDispatcher over P*(L+S) of them)."""
 
-    def __init__(self, inner: EPDispatcher, num_experts: int, spare: int) -> None:
-        self.inner, self.num_experts, self.spare = inner, num_experts, spare
+    def __init__(self, inner: EPDispatcher, slots: ExpertSlots) -> None:
+        self.inner, self.slots = inner, slots
         self.replicas: tuple[Replica, ...] = ()
-        self.tables = slot_tables((), num_experts, inner.ep_size, spare, torch.device("cpu"))
+        self.tables = slot_tables((), slots, torch.device("cpu"))
 
     def set_replicas(self, replicas: tuple[Replica, ...], device: torch.device) -> None:
         self.replicas = replicas
-        self.tables = slot_tables(replicas, self.num_experts, self.inner.ep_size, self.spare, device)
+        self.tables = slot_tables(replicas, self.slots, device)
 
     def dispatch(self, x_TD: torch.Tensor, decision: RoutingDecision) -> tuple[ExpertBatch, EPMeta]:
         ids = virtual_ids(decision.ids_TK, self.tables)
@@ -141,15 +145,15 @@ def replicate_layer(layer: MoELayer, group: ProcessGroup | None, spare: int) -> 
         raise ValueError("replicate_layer: shard the layer with shard_moe_layer first")
     if spare < 1:
         raise ValueError(f"spare={spare}: must be >= 1")
-    P, L, E = inner.ep_size, inner.num_local, inner.num_experts
+    slots = layer.slots.with_spare(spare)
     virt = object.__new__(EPDispatcher)
-    virt.__dict__.update(inner.__dict__, num_experts=P * (L + spare), num_local=L + spare)
+    virt.__dict__.update(inner.__dict__, num_experts=slots.physical, num_local=slots.local_slots)
     with torch.no_grad():
         for name in WEIGHTS:
             w = getattr(layer.experts, name)
             grown = torch.cat([w.detach(), w.new_zeros((spare, *w.shape[1:]))])
             setattr(layer.experts, name, nn.Parameter(grown, requires_grad=w.requires_grad))
-    layer.dispatcher = ReplicatedDispatcher(virt, E, spare)
+    layer.dispatcher, layer.slots = ReplicatedDispatcher(virt, slots), slots
     return layer
 
 
@@ -163,7 +167,7 @@ def apply_placement(layer: MoELayer, replicas: tuple[Replica, ...], group: Proce
     """Install `replicas` (the same on every rank): owners broadcast weights (and AdamW moments)
     into the copies' slots, the other spare slots are zeroed. Collective. Returns the cost."""
     disp: ReplicatedDispatcher = layer.dispatcher
-    P, L, S = disp.inner.ep_size, disp.inner.num_local - disp.spare, disp.spare
+    L, owner_of = disp.slots.local, disp.slots.owner
     rank = dist.get_rank(group)
     start, nbytes = time.perf_counter(), 0
     for name in WEIGHTS:
@@ -174,7 +178,7 @@ def apply_placement(layer: MoELayer, replicas: tuple[Replica, ...], group: Proce
         for t in tensors:
             t[L:].zero_()
             for rep in replicas:
-                owner = rep.expert // L
+                owner = owner_of(rep.expert)
                 buf = t[rep.expert % L].clone() if rank == owner else torch.empty_like(t[0])
                 dist.broadcast(buf, _owner_src(group, owner), group=group)
                 nbytes += buf.numel() * buf.element_size()
@@ -189,12 +193,12 @@ def apply_placement(layer: MoELayer, replicas: tuple[Replica, ...], group: Proce
 def sync_replica_grads(layer: MoELayer, group: ProcessGroup | None) -> None:
     """After the backward: owner and copy both get the sum of their gradients. Collective."""
     disp: ReplicatedDispatcher = layer.dispatcher
-    L = disp.inner.num_local - disp.spare
+    L = disp.slots.local
     rank = dist.get_rank(group)
     for name in WEIGHTS:
         g = getattr(layer.experts, name).grad
         for rep in disp.replicas:
-            owner = rep.expert // L
+            owner = disp.slots.owner(rep.expert)
             if rank == owner:
                 buf = g[rep.expert % L].clone()
             elif rank == rep.rank:
@@ -225,21 +229,24 @@ class HotReplicaDispatcher(EPDispatcher):
     """
 
     @classmethod
-    def wrap(cls, inner: EPDispatcher, spare: int) -> "HotReplicaDispatcher":
-        if spare < 1:
-            raise ValueError(f"spare={spare}: must be >= 1")
-        P, L = inner.ep_size, inner.num_local
+    def wrap(cls, inner: EPDispatcher, slots: ExpertSlots) -> "HotReplicaDispatcher":
+        """`inner` over the physical slots of `slots` (the layer's, with its spare slots set)."""
+        if slots.spare < 1:
+            raise ValueError(f"spare={slots.spare}: must be >= 1")
+        if (slots.ep_size, slots.local) != (inner.ep_size, inner.num_local):
+            raise ValueError(f"slots of {slots.ep_size} ranks x {slots.local} experts for a dispatcher of "
+                             f"{inner.ep_size} ranks x {inner.num_local}")
         d = object.__new__(cls)
-        d.__dict__.update(inner.__dict__, num_experts=P * (L + spare), num_local=L + spare)
-        d.logical_experts, d.logical_local, d.spare = inner.num_experts, L, spare
+        d.__dict__.update(inner.__dict__, num_experts=slots.physical, num_local=slots.local_slots)
+        d.slots = slots
         d.set_replicas((), torch.device("cpu"))
         return d
 
     def set_replicas(self, replicas: tuple[Replica, ...], device: torch.device) -> None:
         """Install a placement (the same on every rank of the group): host tables, nothing moves."""
-        P, L, S, me = self.ep_size, self.logical_local, self.spare, self.rank
+        P, L, S, me = self.ep_size, self.slots.local, self.slots.spare, self.rank
         self.replicas = replicas
-        self.tables = slot_tables(replicas, self.logical_experts, P, S, device)
+        self.tables = slot_tables(replicas, self.slots, device)
         order = sorted(replicas, key=lambda r: (r.rank, r.slot))
         mine = [r for r in order if r.expert // L == me]  # copies this rank's experts feed, by destination
         self.send_idx = torch.tensor([r.expert % L for r in mine], dtype=torch.int64, device=device)
@@ -248,7 +255,7 @@ class HotReplicaDispatcher(EPDispatcher):
         self.recv_splits = tuple(sum(r.expert // L == o for r in got) for o in range(P))
         row = {r.slot: i for i, r in enumerate(got)}
         self.slot_row = torch.tensor([row.get(s, len(got)) for s in range(S)], dtype=torch.int64, device=device)
-        E = self.logical_experts
+        E = self.slots.routed  # a spare slot without a copy: the index past the routed experts
         groups = list(range(me * L, (me + 1) * L)) + [E] * S
         for r in got:
             groups[L + r.slot] = r.expert
@@ -256,7 +263,7 @@ class HotReplicaDispatcher(EPDispatcher):
 
     def _fetch(self, w: torch.Tensor) -> torch.Tensor:
         if not self.replicas:  # every rank knows: no collective
-            return torch.cat([w, w.new_zeros((self.spare, *w.shape[1:]))])
+            return torch.cat([w, w.new_zeros((self.slots.spare, *w.shape[1:]))])
         sent = w.index_select(0, self.send_idx)
         got = comm.all_to_all(sent, self.recv_splits, self.send_splits, self.group, zero_row=True)
         return torch.cat([w, got.index_select(0, self.slot_row)])

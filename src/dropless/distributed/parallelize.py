@@ -116,7 +116,7 @@ def parallelize_model(model: MoEModel, meshes: Meshes, cfg: ParallelConfig) -> l
     ep = meshes.mesh.size(1)
     if cfg.ep_size != ep:
         raise ValueError(f"parallel.ep_size={cfg.ep_size}: the mesh has ep={ep}")
-    cfg.check_experts(model.cfg.moe.num_experts)
+    cfg.check_experts(model.expert_slots().routed)
     # FSDP2 warns when a unit returns a view (an in-place op on it would skip the pre-backward hook).
     # Ours do (the MoE output `y.view(shape)`, grouped-GEMM outputs) and nothing modifies them in place:
     # the model and trainer only ever add out of place.

@@ -17,7 +17,7 @@ from torch.distributed import ProcessGroup
 
 from ..config import ParallelConfig
 from ..layers.moe import MoELayer
-from .ep import build_ep_dispatcher, local_expert_count
+from .ep import build_ep_dispatcher
 
 
 def shard_moe_layer(layer: MoELayer, group: ProcessGroup | None,
@@ -30,16 +30,16 @@ def shard_moe_layer(layer: MoELayer, group: ProcessGroup | None,
     if layer.cfg.capacity_factor is not None:
         raise ValueError(f"moe.capacity_factor={layer.cfg.capacity_factor}: expert parallelism is dropless; "
                          "the capacity baseline is single-device only")
-    E = layer.cfg.num_experts
-    L = local_expert_count(E, world)
+    slots = layer.slots.sharded(world)  # ValueError unless the group divides the routed experts
+    L = slots.local
     experts = layer.experts
     # built first, so a refused configuration leaves the layer whole; the factory gives it the row
     # alignment the experts declare, as the local dispatcher has
-    dispatcher = build_ep_dispatcher(layer.cfg, experts, cfg, group)
+    dispatcher = build_ep_dispatcher(layer, cfg, group)
     with torch.no_grad():
         for name in ("w_gate_up_EDF", "w_down_EFD"):
             full = getattr(experts, name)
             local = full[rank * L:(rank + 1) * L].detach().clone()
             setattr(experts, name, nn.Parameter(local, requires_grad=full.requires_grad))
-    layer.dispatcher = dispatcher
+    layer.dispatcher, layer.slots = dispatcher, slots
     return layer

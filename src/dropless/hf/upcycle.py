@@ -103,7 +103,7 @@ def upcycle_model(dense: MoEModel, granularity: int = 1, seed: int = 0, cfg: Mod
     for name, p in moe.named_parameters():
         if name in src:  # embeddings, norms, attention, head: the same tensors
             p.copy_(src[name])
-    G, E, F = granularity, cfg.moe.num_experts, dense.cfg.d_ff_dense
+    G, E, F = granularity, moe.expert_slots().routed, dense.cfg.d_ff_dense
     Fg = F // G
     g = torch.Generator().manual_seed(seed)
     for block, dense_block in zip(moe.blocks, dense.blocks):

@@ -39,6 +39,7 @@ from typing import Protocol
 import torch
 
 from ..config import MoEConfig
+from ..expert_slots import ExpertSlots
 from ..ops import grouped_gemm
 from ..ops import permute as P
 from ..ops.lean_experts import RowSource
@@ -116,7 +117,8 @@ def dispatch_align(cfg: MoEConfig, experts: GroupedExperts) -> int:
     return math.lcm(cfg.align, experts.row_align)
 
 
-def build_dispatcher(cfg: MoEConfig, experts: GroupedExperts) -> LocalDispatcher:
-    """The single-device dispatcher of a layer (expert parallelism: distributed.ep.build_ep_dispatcher)."""
-    return LocalDispatcher(cfg.num_experts, dispatch_align(cfg, experts), cfg.capacity_factor,
+def build_dispatcher(cfg: MoEConfig, experts: GroupedExperts, slots: ExpertSlots) -> LocalDispatcher:
+    """The single-device dispatcher of a layer (expert parallelism: distributed.ep.build_ep_dispatcher):
+    one group per routed expert (identity experts never reach a dispatcher, layers/identity.py)."""
+    return LocalDispatcher(slots.routed, dispatch_align(cfg, experts), cfg.capacity_factor,
                            cfg.drop_policy)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..expert_slots import ExpertSlots
 from .router import RoutingDecision
 
 
@@ -39,9 +40,9 @@ class IdentitySplit:
     is_identity_TK: torch.Tensor  # bool: valid identity pairs
 
 
-def split(decision: RoutingDecision, num_experts: int) -> IdentitySplit:
+def split(decision: RoutingDecision, slots: ExpertSlots) -> IdentitySplit:
     ids_TK = decision.ids_TK
-    is_id_TK = ids_TK >= num_experts
+    is_id_TK = slots.is_identity(ids_TK)
     if decision.valid_TK is not None:
         is_id_TK = is_id_TK & decision.valid_TK
         real_TK = decision.valid_TK & ~is_id_TK
@@ -60,12 +61,11 @@ def combine(y_TD: torch.Tensor, x_TD: torch.Tensor, s: IdentitySplit) -> torch.T
     return y_TD + s.weight_T.to(x_TD.dtype).unsqueeze(-1) * x_TD
 
 
-def out_sq(x_TD: torch.Tensor, ids_TK: torch.Tensor, s: IdentitySplit, num_experts: int,
-           n_identity: int) -> torch.Tensor:
+def out_sq(x_TD: torch.Tensor, ids_TK: torch.Tensor, s: IdentitySplit, slots: ExpertSlots) -> torch.Tensor:
     """The monitor's per-expert output sum of squares for the identity experts: an identity expert's
     own (unweighted) output row is the token's input row, so its sum is over its tokens' mean_d(x^2)."""
     ms_T = x_TD.detach().float().square().mean(-1)
     ms_TK = ms_T.unsqueeze(-1).expand_as(ids_TK)
-    slot_TK = torch.where(s.is_identity_TK, ids_TK - num_experts, 0)
-    return ms_T.new_zeros(n_identity).index_add_(0, slot_TK.reshape(-1),
-                                                 torch.where(s.is_identity_TK, ms_TK, 0.0).reshape(-1))
+    slot_TK = torch.where(s.is_identity_TK, ids_TK - slots.routed, 0)
+    return ms_T.new_zeros(slots.identity).index_add_(0, slot_TK.reshape(-1),
+                                                     torch.where(s.is_identity_TK, ms_TK, 0.0).reshape(-1))

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..config import MoEConfig
+from ..expert_slots import ExpertSlots
 from ..ops import routing
 from . import balance, decode_experts, identity, recompute
 from .dispatch import DispatchMeta, Dispatcher, build_dispatcher
@@ -104,9 +105,12 @@ class MoELayer(nn.Module):
         super().__init__()
         cfg.validate()
         self.cfg = cfg
-        # the router chooses among the real experts and, after them, the identity experts (identity.py)
+        # what the slots are (expert_slots.py): what shards or replicates the layer replaces them, and
+        # every consumer asks the layer. The router chooses among the routed experts and, after them,
+        # the identity experts (identity.py)
+        self.slots = ExpertSlots.from_config(cfg)
         b = cfg.balance
-        self.router = Router(d_model, cfg.routed_experts, cfg.top_k, cfg.router,
+        self.router = Router(d_model, self.slots.selectable, cfg.top_k, cfg.router,
                              b.bias_update_rate if b.bias_update_rule == "adaptive" else 0.0)
         backend = resolve_backend(cfg.backend, cfg.capacity_factor is not None)
         # LatentMoE (latent.py): the routed experts run in latent_dim, between two projections
@@ -114,13 +118,13 @@ class MoELayer(nn.Module):
         self.latent = (LatentProjection(d_model, cfg.latent_dim, cfg.latent_norm)
                        if cfg.latent_dim else None)
         d_routed = cfg.latent_dim or d_model
-        self.experts = GroupedExperts(cfg.num_experts, d_routed, cfg.d_expert, cfg.activation,
+        self.experts = GroupedExperts(self.slots.routed, d_routed, cfg.d_expert, cfg.activation,
                                       cfg.act_clamp, cfg.act_softcap, backend, cfg.precision)
         self.shared = (MLP(d_model, cfg.shared_width, cfg.activation, cfg.act_clamp, cfg.act_softcap)
                        if cfg.shared_width else None)
         # the experts declare the row alignment they need (low-precision token blocks); the factory
         # (and its EP twin, distributed.ep.build_ep_dispatcher) honours it
-        self.dispatcher: Dispatcher = dispatcher or build_dispatcher(cfg, self.experts)
+        self.dispatcher: Dispatcher = dispatcher or build_dispatcher(cfg, self.experts, self.slots)
         self.detailed_stats = False  # set by the trainer on log steps
         # stats.quantile_bias_E: quantile balancing, or the loss-free bias's warm-start steps (the
         # trainer sets it per step, train/health.py)
@@ -138,7 +142,7 @@ class MoELayer(nn.Module):
         x_TD = x.reshape(-1, shape[-1])
         replay_TK = replay_ids.reshape(-1, self.cfg.top_k) if replay_ids is not None else None
         decision = self.router(x_TD, replay_TK, token_ids)
-        ident = identity.split(decision, self.cfg.num_experts) if self.cfg.n_identity_experts else None
+        ident = identity.split(decision, self.slots) if self.slots.identity else None
         run = ident.experts if ident is not None else decision  # what the real experts compute
         # the rows the routed experts read: x itself, or its latent projection (width l)
         xr_TD = self.latent.project_down(x_TD) if self.latent is not None else x_TD
@@ -146,7 +150,7 @@ class MoELayer(nn.Module):
         if decode_experts.applies(self.experts, self.dispatcher, run, x_TD.shape[0],
                                   self.decode_max_tokens, self.detailed_stats):
             y_TD = decode_experts.row_sum_experts(xr_TD, run, self.experts)
-            batch, meta, y_RD = None, decode_experts.no_drop_meta(run, self.cfg.num_experts), None
+            batch, meta, y_RD = None, decode_experts.no_drop_meta(run, self.slots.routed), None
         else:
             if self.shared is not None and getattr(self.dispatcher, "overlap_shared", False):
                 # EP: the shared experts run while the token rows are in flight (distributed/ep.py)
@@ -162,7 +166,7 @@ class MoELayer(nn.Module):
             y_TD = self.latent.project_up(y_TD)
         if self.shared is not None:
             y_TD = y_TD + (shared_TD if shared_TD is not None else self._shared(x_TD))
-        E, K = self.cfg.routed_experts, self.cfg.top_k  # identity experts count like any expert
+        E, K = self.slots.selectable, self.cfg.top_k  # identity experts count like any expert
         counts_E = routing.expert_counts(decision.ids_TK, E, decision.valid_TK)
         probs_TE = routing.router_probs(decision.scores_TE, self.cfg.router.score_func)
         aux = routing.switch_aux_loss(probs_TE, counts_E, K)
@@ -195,16 +199,14 @@ class MoELayer(nn.Module):
         with torch.no_grad():
             if self.detailed_stats:
                 out_sq = expert_out_sq(y_RD, batch.offsets_E, batch.weights_R)
+                E = self.slots.routed
                 if meta.expert_of_group is not None:  # hot-expert replicas: a copy's rows count for its expert
-                    E = self.cfg.num_experts
                     out_sq = out_sq.new_zeros(E + 1).index_add_(0, meta.expert_of_group, out_sq)[:E]
-                elif meta.num_local < self.cfg.num_experts:  # expert parallel: this rank's experts only
+                elif meta.num_local < E:  # expert parallel: this rank's experts only
                     first = meta.first_expert
-                    last = self.cfg.num_experts - first - meta.num_local
-                    out_sq = torch.nn.functional.pad(out_sq, (first, last))
-                if ident is not None:  # the identity experts' entries follow the real experts'
-                    out_sq = torch.cat([out_sq, identity.out_sq(x_TD, decision.ids_TK, ident,
-                                        self.cfg.num_experts, self.cfg.n_identity_experts)])
+                    out_sq = torch.nn.functional.pad(out_sq, (first, E - first - meta.num_local))
+                if ident is not None:  # the identity experts' entries follow the routed experts'
+                    out_sq = torch.cat([out_sq, identity.out_sq(x_TD, decision.ids_TK, ident, self.slots)])
                 extra["out_sq_E"] = out_sq
                 extra["router_entropy"], extra["top1_top2_ratio"] = router_summaries(probs_TE)
             if self.cfg.router.strategy == "expert_threshold":

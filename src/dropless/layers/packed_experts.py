@@ -59,10 +59,11 @@ def check_format(fmt: str) -> int:
     return FORMATS[fmt][1]
 
 
-def check_packable(fmt: str, d_model: int, d_expert: int) -> int:
-    """The format's block size; ValueError for an unknown format or a width it does not divide."""
+def check_packable(fmt: str, d_model: int, d_expert: int, d_model_field: str = "model.d_model") -> int:
+    """The format's block size; ValueError for an unknown format or a width it does not divide.
+    `d_model`: the experts' row width, the field `d_model_field` (LatentMoE: model.moe.latent_dim)."""
     block = check_format(fmt)
-    for name, width in (("model.d_model", d_model), ("model.moe.d_expert", d_expert)):
+    for name, width in ((d_model_field, d_model), ("model.moe.d_expert", d_expert)):
         if width % block:
             raise ValueError(f"{name}={width} is not a multiple of the {fmt} block size {block} (the "
                              f"expert weights are blocked along both widths); this run cannot be packed")

@@ -289,7 +289,7 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, bf16: bool,
         where = experts_kept_on(cfg)
         if n_moe and ep_rows is not None and where != "recomputed":
             L, R = ep_rows
-            E, K = cfg.moe.num_experts, cfg.moe.top_k
+            E, K = moe_blocks[0].ffn.slots.routed, cfg.moe.top_k
             experts = moe_blocks[0].ffn.experts
             delta = expert_bytes(experts, L, R, bf16) - expert_bytes(experts, E, T * K, bf16, local=True)
             if where == "host":

@@ -52,6 +52,7 @@ import torch
 
 from ..config import RunConfig
 from ..distributed.ep_plan import link_capacity
+from ..expert_slots import ExpertSlots
 from ..config import apply_overrides
 from ..model import MoEModel
 from ..ops import quant_gemm
@@ -138,7 +139,7 @@ def ep_rows(cfg: RunConfig, tokens: int, world: int) -> tuple[int, int] | None:
     p, m = cfg.parallel, cfg.model.moe
     if world == 1:
         return None
-    L = m.num_experts // p.ep_size
+    L = ExpertSlots.from_config(m).sharded(p.ep_size).local
     align = math.lcm(m.align, quant_gemm.plan_align(m.precision, 1))  # layers/dispatch.py dispatch_align
     if p.ep_mode == "buffered":
         slots = p.ep_size * link_capacity(p.max_tokens_per_rank or tokens, m.top_k, L, p.ep_size,
@@ -163,7 +164,8 @@ def ep_buffer_bytes(cfg: RunConfig, tokens: int, bf16: bool, world: int,
     layers = (model or _meta_model(cfg)).moe_layers()
     if world == 1 or not layers:
         return 0
-    P, K, L = p.ep_size, m.top_k, m.num_experts // p.ep_size
+    slots = layers[0].slots.sharded(p.ep_size)
+    P, K, L = p.ep_size, m.top_k, slots.local
     D = layers[0].experts.w_gate_up_EDF.shape[1]  # the rows the experts read (LatentMoE: latent rows)
     # the dispatched rows: the normed residual stream (fp32 even under autocast), or the latent
     # projection's output (a GEMM's: the compute dtype)
@@ -176,7 +178,7 @@ def ep_buffer_bytes(cfg: RunConfig, tokens: int, bf16: bool, world: int,
         pairs = P * C
     else:
         pairs = tokens * K
-        rows = round(tokens * _expected_rank_hits(m.num_experts, K, L)) if p.dedup else pairs
+        rows = round(tokens * _expected_rank_hits(slots.routed, K, L)) if p.dedup else pairs
     meta_w = 8 if p.dedup else 4  # per pair: fp32 weight (+ int32 row index with de-dup)
     dispatch = (2 * rows + 1) * D * x_es + (2 * pairs + 1) * meta_w
     combine = (2 * rows + (0 if p.dedup else 1)) * D * y_es

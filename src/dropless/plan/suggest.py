@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..config import RunConfig, check_offload
+from ..expert_slots import ExpertSlots
 from .model import Plan, plan, with_overrides
 
 RECOMPUTE_CHOICES = (["layer"], ["attn", "norm", "moe"], ["moe"], ["attn"], ["norm"])
@@ -77,7 +78,7 @@ def knob_overrides(cfg: RunConfig, world: int) -> list[tuple[str, list[str]]]:
     for names in OFFLOAD_CHOICES:
         if sorted(names) != sorted(cfg.model.offload):
             out.append(("offload", _offload_knob(cfg, names)))
-    E, ep = cfg.model.moe.num_experts, cfg.parallel.ep_size
+    E, ep = ExpertSlots.from_config(cfg.model.moe).routed, cfg.parallel.ep_size
     for new in range(ep + 1, world + 1):
         if world % new == 0 and E % new == 0:
             out.append(("ep_size", [f"parallel.ep_size={new}"]))

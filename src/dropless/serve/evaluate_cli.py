@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from ..config import ModelConfig, RunConfig, to_dict
+from ..expert_slots import ExpertSlots
 from ..layers.router import RoutingDecision
 from ..model import MoEModel
 from ..train.device import resolve_device
@@ -42,7 +43,7 @@ def sweep_settings(model_cfg: ModelConfig) -> list[Setting]:
     (K2 at most the experts the routing can choose from: E, or the experts group-limited routing
     leaves eligible; none when the weights are never normalised) and the kept renormalisation."""
     k, r = model_cfg.moe.top_k, model_cfg.moe.router
-    E = r.topk_groups * (model_cfg.moe.routed_experts // r.n_groups)
+    E = r.topk_groups * (ExpertSlots.from_config(model_cfg.moe).selectable // r.n_groups)
     rows: list[Setting] = [(None, None, "mass")]
     for k1 in range(1, k):
         if normalises(model_cfg):

@@ -301,7 +301,7 @@ def _write_record(args: argparse.Namespace, model: MoEModel, texts: list[str], t
     except (ValueError, FileNotFoundError):
         step = None
     source = f"{'recompute' if args.no_cache else 'kv-cache'} decode {args.dtype}"
-    RoutingRecord.for_model(model.cfg, seqs, result.routing, source, args.run_dir, step).save(args.record_routing)
+    RoutingRecord.for_model(model, seqs, result.routing, source, args.run_dir, step).save(args.record_routing)
     print(f"routing of {len(seqs)} sequences written to {args.record_routing}", file=sys.stderr)
 
 

@@ -48,7 +48,7 @@ def _overlap_T(a_TK: torch.Tensor, b_TK: torch.Tensor, num_experts: int) -> torc
 
 
 def check_same_tokens(a: RoutingRecord, b: RoutingRecord) -> None:
-    for key in ("moe_layers", "top_k", "num_experts"):
+    for key in ("moe_layers", "top_k", "num_experts", "identity_experts"):
         if getattr(a, key) != getattr(b, key):
             raise ValueError(f"the records route different models: {key}={getattr(a, key)} in A, "
                              f"{getattr(b, key)} in B")

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..config import ModelConfig, RunConfig, from_dict, save_config, to_dict
+from ..layers.moe import MoELayer
 from ..layers.packed_experts import PackedExperts, check_packable
 from ..model import MoEModel
 
@@ -59,25 +60,47 @@ def packed_run_config(run_dir: str | Path) -> tuple[RunConfig, Path]:
     return from_dict(RunConfig, read_manifest(run_dir)["config"]), Path(run_dir) / QUANT_DIR
 
 
+def expert_shape(layer: MoELayer) -> tuple[int, int, int]:
+    """(E, D, F) of a built MoE layer's routed experts, from their weights: D is the width of the rows
+    they read (the latent width under LatentMoE), F the expert width."""
+    E, D, _ = layer.experts.w_gate_up_EDF.shape
+    return E, D, layer.experts.w_down_EFD.shape[1]
+
+
+def check_model_packable(model: MoEModel, fmt: str) -> None:
+    """ValueError unless every MoE layer's expert widths (as built) are whole blocks of `fmt`."""
+    for layer in model.moe_layers():
+        _, D, F = expert_shape(layer)
+        check_packable(fmt, D, F, "model.moe.latent_dim" if layer.latent is not None else "model.d_model")
+
+
 def pack_model(model: MoEModel, fmt: str) -> MoEModel:
     """Replace every MoE layer's GroupedExperts by a PackedExperts holding its 4-bit weights, in
     place (the fp32 expert weights are released); the model is put in eval mode."""
-    check_packable(fmt, model.cfg.d_model, model.cfg.moe.d_expert)
+    check_model_packable(model, fmt)
     for layer in model.moe_layers():
         layer.experts = PackedExperts.from_experts(layer.experts, fmt)
     return model.eval()
 
 
-def packed_skeleton(cfg: ModelConfig, fmt: str) -> MoEModel:
-    """A model of `cfg` whose MoE layers hold empty PackedExperts of `fmt`, ready for load_state_dict.
-    The full-precision experts are built first and dropped (peak memory: one unpacked model)."""
-    check_packable(fmt, cfg.d_model, cfg.moe.d_expert)
-    model = MoEModel(cfg)
+def meta_model(cfg: ModelConfig) -> MoEModel:
+    """The model of `cfg` built on the meta device: every module and shape, nothing allocated."""
+    with torch.device("meta"):
+        return MoEModel(cfg)
+
+
+def packed_skeleton(cfg: ModelConfig, fmt: str, device: torch.device | str = "cpu") -> MoEModel:
+    """A model of `cfg` on `device` whose MoE layers hold PackedExperts of `fmt` shaped like the experts
+    the model builds, every tensor allocated but not initialised: for load_state_dict to fill. Built
+    on the meta device, so the full-precision experts are never allocated."""
+    model = meta_model(cfg)
+    check_model_packable(model, fmt)
     for layer in model.moe_layers():
         old = layer.experts
-        layer.experts = PackedExperts(cfg.moe.num_experts, cfg.d_model, cfg.moe.d_expert, fmt, old.kind,
-                                      old.clamp, old.softcap, old.backend, old.precision)
-    return model
+        with torch.device("meta"):
+            layer.experts = PackedExperts(*expert_shape(layer), fmt, old.kind, old.clamp, old.softcap,
+                                          old.backend, old.precision)
+    return model.materialize(device)
 
 
 def load_packed(run_dir: str | Path, cfg: RunConfig, device: torch.device | str = "cpu") -> MoEModel:
@@ -87,7 +110,7 @@ def load_packed(run_dir: str | Path, cfg: RunConfig, device: torch.device | str 
     model = packed_skeleton(cfg.model, manifest["experts"])
     state = torch.load(Path(run_dir) / QUANT_DIR / manifest["tensors"], map_location="cpu",
                        weights_only=True)
-    model.load_state_dict(state)
+    model.load_state_dict(state)  # strict: every tensor the skeleton left uninitialised is in the file
     return model.to(device).eval()
 
 

@@ -11,9 +11,10 @@ stored it. RUN_DIR2 loads with `serve.load.load_model`, so `evaluate` and `gener
   the routed experts' share;
 - bytes read per decoded token: every non-expert tensor (an upper bound: the embedding lookup reads one
   row, but the tied LM head reads the whole matrix) plus, per MoE layer, the experts that step uses.
-  For one sequence that is K experts; for B sequences decoded together it is the distinct experts among
-  their B*K choices, measured on the validation windows (B windows at the same position) from the
-  original model's routing, beside the count uniform routing would give, E * (1 - (1 - K/E)^B);
+  For one sequence that is K experts; for B sequences decoded together it is the distinct routed experts
+  among their B*K choices, measured on the validation windows (B windows at the same position) from the
+  original model's routing, beside the count uniform routing would give, E * (1 - (1 - K/N)^B) for E
+  routed of N selectable experts (identity experts, layers/identity.py, are chosen but read no weights);
 - the validation loss in bf16 autocast (`serve.evaluate.val_loss(..., dtype="bf16")`) and its change
   against the original.
 """
@@ -32,7 +33,7 @@ import torch
 from tqdm import tqdm
 
 from ..config import RunConfig
-from ..layers.packed_experts import PACKED_FORMATS, check_format, check_packable
+from ..layers.packed_experts import PACKED_FORMATS, check_format
 from ..model import MoEModel
 from ..train.data import eval_batches
 from . import packed
@@ -59,8 +60,10 @@ def _as_bf16(model: MoEModel) -> dict[str, int]:
 
 
 def distinct_experts(model: MoEModel, cfg: RunConfig, tokens: torch.Tensor) -> dict[int, list[float]]:
-    """Per batch size B, per MoE layer: mean number of distinct experts chosen by B validation
-    windows' tokens at the same position (what one decode step of B sequences reads)."""
+    """Per batch size B, per MoE layer: mean number of distinct routed experts chosen by B validation
+    windows' tokens at the same position (what one decode step of B sequences reads: an identity
+    expert reads no weights)."""
+    slots = model.expert_slots()
     x, _ = next(iter(eval_batches(tokens, cfg.train.batch_size, cfg.train.seq_len, 1)))
     with torch.no_grad():
         out = model(x)
@@ -77,9 +80,9 @@ def distinct_experts(model: MoEModel, cfg: RunConfig, tokens: torch.Tensor) -> d
                 t = t_TK.reshape(n, S, K)[: n // B * B].view(n // B, B, S, K)
                 return t.permute(0, 2, 1, 3).reshape(n // B, S, B * K)
 
-            hits_GSE = torch.zeros(n // B, S, cfg.model.moe.num_experts, dtype=torch.int64)
+            hits_GSE = torch.zeros(n // B, S, slots.selectable, dtype=torch.int64)
             hits_GSE.scatter_add_(-1, by_step(m.ids_TK.long()), by_step(valid_TK))
-            per_layer.append(float((hits_GSE > 0).sum(-1).float().mean()))
+            per_layer.append(float((hits_GSE[..., :slots.routed] > 0).sum(-1).float().mean()))
         result[B] = per_layer
     return result
 
@@ -88,10 +91,10 @@ def report(run_dir: str | Path, variants: dict[str, MoEModel], original: MoEMode
            max_batches: int | None = None) -> dict[str, Any]:
     """The figures of the module docstring for `original` and each packed model in `variants`."""
     tokens = val_tokens(cfg)
-    moe = cfg.model.moe
-    E, K, L = moe.num_experts, moe.top_k, cfg.model.n_moe_layers
+    slots = original.expert_slots()
+    E, N, K, L = slots.routed, slots.selectable, cfg.model.moe.top_k, len(original.moe_layers())
     distinct = distinct_experts(original, cfg, tokens)
-    uniform = {B: E * (1 - (1 - K / E) ** B) for B in distinct}
+    uniform = {B: E * (1 - (1 - K / N) ** B) for B in distinct}
     rows = []
     models = {"original": original, **variants}
     for name, model in tqdm(models.items(), desc="evaluating", file=sys.stderr):
@@ -112,14 +115,16 @@ def report(run_dir: str | Path, variants: dict[str, MoEModel], original: MoEMode
     base = rows[0]["val_loss_bf16"]
     for row in rows:
         row["val_loss_change"] = row["val_loss_bf16"] / base - 1
-    return {"run_dir": str(run_dir), "num_experts": E, "top_k": K, "moe_layers": L,
+    return {"run_dir": str(run_dir), "num_experts": E, "identity_experts": slots.identity, "top_k": K,
+            "moe_layers": L,
             "distinct_experts_per_layer": distinct, "distinct_experts_uniform": uniform,
             "eval_batches": max_batches or cfg.train.eval_batches, "rows": rows}
 
 
 def format_report(r: dict[str, Any]) -> str:
     mb = 1e6
-    lines = [f"{r['run_dir']}: E={r['num_experts']} K={r['top_k']} MoE layers={r['moe_layers']}, "
+    ident = f" (+{r['identity_experts']} identity)" if r.get("identity_experts") else ""
+    lines = [f"{r['run_dir']}: E={r['num_experts']}{ident} K={r['top_k']} MoE layers={r['moe_layers']}, "
              f"val loss over {r['eval_batches']} batches, bf16 autocast",
              f"{'variant':<10}{'file MB':>9}{'memory MB':>11}{'experts MB':>12}{'share':>7}"
              f"{'mem MB, rest bf16':>19}{'val_loss':>10}{'change':>9}"]
@@ -152,10 +157,11 @@ def quantize_run(run_dir: str | Path, fmt: str, out: str | Path) -> Path:
     if packed.is_packed_run(run_dir):
         raise ValueError(f"RUN_DIR={str(run_dir)!r} is already a packed run; quantise the original run")
     cfg, path = run_config(run_dir)
-    if not cfg.model.n_moe_layers:
+    shapes = packed.meta_model(cfg.model)  # the widths as the modules have them, nothing allocated
+    if not shapes.moe_layers():
         raise ValueError(f"model.n_dense_layers={cfg.model.n_dense_layers} = model.n_layers: the run has "
                          "no routed experts to pack")
-    check_packable(fmt, cfg.model.d_model, cfg.model.moe.d_expert)
+    packed.check_model_packable(shapes, fmt)
     model, cfg = load_model(run_dir, "cpu")
     step = int(path.name.split("_")[-1])
     return packed.save_packed(packed.pack_model(model, fmt), cfg, out, fmt, run_dir, step)
@@ -195,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 variants = {args.experts: load_model(args.out, "cpu")[0]}
             else:
                 for fmt in formats:
-                    check_packable(fmt, cfg.model.d_model, cfg.model.moe.d_expert)
+                    packed.check_model_packable(original, fmt)
                 variants = {fmt: packed.pack_model(copy.deepcopy(original), fmt) for fmt in formats}
             r = report(args.run_dir, variants, original, cfg, args.max_batches)
             print(format_report(r))

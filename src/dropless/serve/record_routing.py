@@ -19,7 +19,7 @@ Token sources:
 Sequences longer than model.max_seq_len are refused.
 
 Recording from a sampler (`dropless generate --record-routing FILE`) needs one call per run:
-`RoutingRecord.for_model(cfg.model, tokens, ids, source, run_dir, step).save(FILE)` with, per
+`RoutingRecord.for_model(model, tokens, ids, source, run_dir, step).save(FILE)` with, per
 sequence, its tokens and the [L, R, K] ids of the R tokens that went through the model.
 """
 
@@ -75,7 +75,7 @@ def record(model: MoEModel, sequences: list[torch.Tensor], dtype: str, run_dir: 
             bar.update(n + 1, {})
     finally:
         bar.close()
-    return RoutingRecord.for_model(model.cfg, sequences, ids, f"full forward {dtype}", run_dir, step)
+    return RoutingRecord.for_model(model, sequences, ids, f"full forward {dtype}", run_dir, step)
 
 
 def read_sequences(args: argparse.Namespace, cfg) -> list[torch.Tensor]:

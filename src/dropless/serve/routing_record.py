@@ -1,7 +1,8 @@
 """Routing records: which experts every MoE layer chose for every token of a set of sequences.
 
 Legend: L MoE layers (in block order), S tokens of a sequence, R tokens of it that went through the
-model (R <= S: a sampler never feeds its last sampled token), K experts per token, E experts.
+model (R <= S: a sampler never feeds its last sampled token), K experts per token, E the range of the
+ids: the experts the router selects among (routed, then identity experts: expert_slots.py).
 
 What routing replay (R3) needs from a rollout engine: per sequence the tokens and, for every MoE
 layer and every routed token, the K expert ids it chose; the trainer then forces those ids
@@ -15,8 +16,10 @@ File layout (little-endian throughout):
     header_len uint32    bytes of the JSON header that follows
     header     JSON      model (run_dir, config_hash, step), source (the path and dtype that routed,
                          e.g. "full forward fp32", "kv-cache decode bf16"), moe_layers (block indices,
-                         in the order of the ids' L axis), top_k, num_experts, vocab_size,
-                         token_dtype, id_dtype, sequences [[S, R], ...], body_bytes, body_crc32
+                         in the order of the ids' L axis), top_k, num_experts (E, the id range),
+                         identity_experts (how many of the E are identity experts, the last ones;
+                         written only when > 0), vocab_size, token_dtype, id_dtype,
+                         sequences [[S, R], ...], body_bytes, body_crc32
     body       per sequence: tokens [S] (token_dtype), then ids [L, R, K] (id_dtype), C order
 
 Ids are uint8 when E <= 256 (the common case: one byte per choice), int16 up to 32768, else int32;
@@ -26,7 +29,8 @@ truncated or damaged file is refused instead of read as shifted ids.
 `config_hash` is a short hash of the model fields that define the network and how it routes (the
 fields a resumed run may not change, train/resume.py): two runs' records share it exactly when their
 ids mean the same experts of the same architecture. The trainer checks the fields it needs (layers,
-K, E, vocabulary) by name; the hash and step are for people tracing which policy produced a record.
+K, E, identity experts, vocabulary) by name; the hash and step are for people tracing which policy
+produced a record.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig, to_dict
+from ..expert_slots import ExpertSlots
+from ..model import MoEModel
 
 MAGIC = b"DLROUTE\n"
 FORMAT_VERSION = 1
@@ -84,10 +90,11 @@ class RoutingRecord:
     ids: list[torch.Tensor]
     moe_layers: list[int]
     top_k: int
-    num_experts: int
+    num_experts: int  # E: the id range, every selectable expert (identity experts included)
     vocab_size: int
     source: str
     model: dict[str, Any] = field(default_factory=dict)  # run_dir, config_hash, step
+    identity_experts: int = 0  # how many of the E are identity experts (ids E - this .. E - 1)
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.ids):
@@ -96,6 +103,9 @@ class RoutingRecord:
         if K < 1 or self.num_experts < 1 or self.vocab_size < 1:
             raise ValueError(f"RoutingRecord: top_k={K}, num_experts={self.num_experts}, "
                              f"vocab_size={self.vocab_size}: must all be >= 1")
+        if not 0 <= self.identity_experts < self.num_experts:
+            raise ValueError(f"RoutingRecord: identity_experts={self.identity_experts}: must be in "
+                             f"[0, num_experts={self.num_experts})")
         self.tokens = [torch.as_tensor(t).long().cpu().reshape(-1) for t in self.tokens]
         self.ids = [torch.as_tensor(i).long().cpu() for i in self.ids]
         for n, (tok_S, ids_LRK) in enumerate(zip(self.tokens, self.ids)):
@@ -111,24 +121,30 @@ class RoutingRecord:
                 raise ValueError(f"sequence {n}: token ids outside [0, {self.vocab_size})")
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, tokens: Sequence[Any], ids: Sequence[torch.Tensor], source: str,
+    def for_model(cls, model: MoEModel, tokens: Sequence[Any], ids: Sequence[torch.Tensor], source: str,
                   run_dir: str | Path = "", step: int | None = None) -> "RoutingRecord":
-        """A record of `cfg`'s model: per sequence its tokens (list or [S] tensor) and the ids
+        """A record of `model`: per sequence its tokens (list or [S] tensor) and the ids
         [L_moe, R, K] of the R <= S tokens that went through the model (what
-        `generate(..., record_routing=True)` returns per sequence), with the header filled in."""
+        `generate(..., record_routing=True)` returns per sequence), with the header filled in; the
+        id range is the model's selectable experts (`model.expert_slots()`)."""
+        cfg, slots = model.cfg, model.expert_slots()
         if cfg.moe.router.strategy in VARIABLE_COUNT_STRATEGIES:
             raise ValueError(f"model.moe.router.strategy={cfg.moe.router.strategy!r}: routing records "
                              "hold K choices per token; this strategy chooses a variable number")
-        return cls(list(tokens), list(ids), moe_layer_indices(cfg), cfg.moe.top_k, cfg.moe.num_experts,
+        return cls(list(tokens), list(ids), moe_layer_indices(cfg), cfg.moe.top_k, slots.selectable,
                    cfg.vocab_size, source,
-                   {"run_dir": str(run_dir), "config_hash": config_hash(cfg), "step": step})
+                   {"run_dir": str(run_dir), "config_hash": config_hash(cfg), "step": step},
+                   identity_experts=slots.identity)
 
-    def check_model(self, cfg: ModelConfig, what: str = "record") -> None:
-        """ValueError naming the first field where this record's header and the model differ."""
+    def check_model(self, cfg: ModelConfig, slots: ExpertSlots, what: str = "record") -> None:
+        """ValueError naming the first field where this record's header and the model (its config
+        and its built layers' expert slots) differ."""
         expect = {"moe_layers": moe_layer_indices(cfg), "top_k": cfg.moe.top_k,
-                  "num_experts": cfg.moe.num_experts, "vocab_size": cfg.vocab_size}
+                  "num_experts": slots.selectable, "identity_experts": slots.identity,
+                  "vocab_size": cfg.vocab_size}
         names = {"moe_layers": "model.n_layers / model.n_dense_layers", "top_k": "model.moe.top_k",
-                 "num_experts": "model.moe.num_experts", "vocab_size": "model.vocab_size"}
+                 "num_experts": "model.moe.num_experts + model.moe.n_identity_experts",
+                 "identity_experts": "model.moe.n_identity_experts", "vocab_size": "model.vocab_size"}
         for key, want in expect.items():
             got = getattr(self, key)
             if got != want:
@@ -138,10 +154,13 @@ class RoutingRecord:
     # --- file format -------------------------------------------------------------------------------
 
     def header(self) -> dict[str, Any]:
-        return {"model": self.model, "source": self.source, "moe_layers": self.moe_layers,
+        head = {"model": self.model, "source": self.source, "moe_layers": self.moe_layers,
                 "top_k": self.top_k, "num_experts": self.num_experts, "vocab_size": self.vocab_size,
                 "token_dtype": token_dtype(self.vocab_size), "id_dtype": id_dtype(self.num_experts),
                 "sequences": [[t.numel(), i.shape[1]] for t, i in zip(self.tokens, self.ids)]}
+        if self.identity_experts:  # absent otherwise: a record without identity experts keeps its bytes
+            head["identity_experts"] = self.identity_experts
+        return head
 
     def to_bytes(self) -> bytes:
         head = self.header()
@@ -191,6 +210,7 @@ class RoutingRecord:
             tdt, idt = _DTYPES[head["token_dtype"]], _DTYPES[head["id_dtype"]]
             L, K = len(head["moe_layers"]), int(head["top_k"])
             seqs = [(int(s), int(r)) for s, r in head["sequences"]]
+            identity = int(head.get("identity_experts", 0))
         except (ValueError, KeyError, TypeError) as err:
             raise ValueError(f"{name}: damaged routing record header ({err})") from None
         if len(body) != n_body:
@@ -211,7 +231,7 @@ class RoutingRecord:
                        .view(L, R, K))
             at += L * R * K * idt.itemsize
         return cls(tokens, ids, [int(b) for b in head["moe_layers"]], K, int(head["num_experts"]),
-                   int(head["vocab_size"]), str(head["source"]), dict(head.get("model") or {}))
+                   int(head["vocab_size"]), str(head["source"]), dict(head.get("model") or {}), identity)
 
     def fingerprint(self) -> str:
         """sha256 of the serialized record (16 hex digits): what a resumed replay run compares."""

@@ -45,6 +45,7 @@ from dataclasses import replace
 from typing import Callable
 
 from ..config import ModelConfig
+from ..expert_slots import ExpertSlots
 
 RENORMS = ("mass", "kept")
 
@@ -90,7 +91,10 @@ def serving_top_k(model_cfg: ModelConfig, k1: int | None = None, k2: int | None 
     and renorm "mass" the trained model is returned unchanged (the same logits, bit for bit)."""
     _check_flags(k1, k2, renorm)
     moe, r = model_cfg.moe, model_cfg.moe.router
-    E, k = moe.num_experts, moe.top_k
+    slots, k = ExpertSlots.from_config(moe), moe.top_k
+    E = slots.selectable  # what the router chooses among
+    among = f"model.moe.num_experts={slots.routed}" + (
+        f" + n_identity_experts={slots.identity}" if slots.identity else "")
     if model_cfg.n_moe_layers == 0:
         raise ValueError("--serve-top-k: the model has no MoE layer (model.n_moe_layers=0)")
     if r.strategy != "token_choice":
@@ -99,9 +103,9 @@ def serving_top_k(model_cfg: ModelConfig, k1: int | None = None, k2: int | None 
                          "trained k; expert threshold has no fixed k)")
     k1 = k if k1 is None else k1
     if k1 > E:
-        raise ValueError(f"--serve-top-k={k1} (k1): exceeds model.moe.num_experts={E}")
+        raise ValueError(f"--serve-top-k={k1} (k1): exceeds {among}")
     if k2 is not None and k2 > E:
-        raise ValueError(f"--serve-norm-top-k={k2} (k2): exceeds model.moe.num_experts={E}")
+        raise ValueError(f"--serve-norm-top-k={k2} (k2): exceeds {among}")
     if r.norm_top_k is not None:
         raise ValueError(f"model.moe.router.norm_top_k={r.norm_top_k}: the run already serves a reduced "
                          "top-k; apply the serving flags to the trained config")

@@ -3,11 +3,13 @@
 Legend: P EP ranks, E experts, L = E/P own experts per rank, S spare slots per rank, R replicas.
 
 Every MoE layer's EP dispatcher becomes a `HotReplicaDispatcher` (distributed/ep_replicas.py) with
-S = ceil(R / (P - 1)) spare slots per rank (a copy never sits on its owner). The layers' per-expert
-counts are summed on the device every micro-batch (no host read); every `replica_interval` steps,
-after the step, one all-reduce of the interval's counts over the whole job and one host read give
-each layer its placement (`plan_replicas`: the R busiest experts, hottest first, one copy each on the
-least-loaded other rank). Every rank computes the same placement from the same sums. Installing it
+S = ceil(R / (P - 1)) spare slots per rank (a copy never sits on its owner), and every layer's `slots`
+gain them (expert_slots.py). The layers' per-expert counts of their routed experts (identity experts
+compute nothing and need no copy; the layer counts them after the routed ones) are summed on the
+device every micro-batch (no host read); every `replica_interval` steps, after the step, one
+all-reduce of the interval's counts over the whole job and one host read give each layer its
+placement (`plan_replicas`: the R busiest experts, hottest first, one copy each on the least-loaded
+other rank). Every rank computes the same placement from the same sums. Installing it
 moves no weights: the copies are fetched from their owners in every layer call (the dispatcher's
 note), so the parameters, the optimizer state, the gradient norm and the checkpoints hold the E
 logical experts only, and a resume with another placement or none continues the same model.
@@ -44,12 +46,12 @@ class HotReplicas:
                  device: torch.device) -> None:
         self.layers, self.group, self.device = layers, group, device
         self.num_replicas, self.interval = cfg.replicate_hot_experts, cfg.replica_interval
-        first = layers[0].dispatcher
-        self.ep_size, self.num_experts = first.ep_size, first.num_experts
-        self.spare = math.ceil(self.num_replicas / (self.ep_size - 1))
+        slots = layers[0].slots  # sharded over the EP group (parallelize_ep.py)
+        self.slots = slots.with_spare(math.ceil(self.num_replicas / (slots.ep_size - 1)))
         for layer in layers:
-            layer.dispatcher = HotReplicaDispatcher.wrap(layer.dispatcher, self.spare)
-        self.counts_LE = torch.zeros(len(layers), self.num_experts, dtype=torch.int64, device=device)
+            layer.slots = self.slots
+            layer.dispatcher = HotReplicaDispatcher.wrap(layer.dispatcher, self.slots)
+        self.counts_LE = torch.zeros(len(layers), self.slots.routed, dtype=torch.int64, device=device)
 
     @classmethod
     def build(cls, model: torch.nn.Module, meshes: Any, cfg: ParallelConfig,
@@ -60,8 +62,8 @@ class HotReplicas:
         return cls(model.moe_layers(), meshes.dp_group, cfg, device)
 
     def observe(self, stats: list[MoEStats]) -> None:
-        """A micro-batch's per-expert counts (this rank's tokens), summed on the device."""
-        self.counts_LE += torch.stack([s.tokens_per_expert_E for s in stats])
+        """A micro-batch's per-expert counts (this rank's tokens) of the routed experts, summed on the device."""
+        self.counts_LE += torch.stack([s.tokens_per_expert_E[:self.slots.routed] for s in stats])
 
     def maybe_place(self, step: int) -> dict[str, Any] | None:
         """After `step`: at every `replica_interval`-th step, the new placement (collective: every
@@ -73,8 +75,8 @@ class HotReplicas:
         comm.all_reduce(counts, dist.ReduceOp.SUM, self.group)
         host = counts.tolist()  # the one host read of the interval
         self.counts_LE.zero_()
-        P, E, S = self.ep_size, self.num_experts, self.spare
-        L = E // P
+        P, S, L = self.slots.ep_size, self.slots.spare, self.slots.local
+        owner = self.slots.owner
         layers, before, after, fetch_bytes = [], [], [], 0
         for layer, c in zip(self.layers, host):
             reps = plan_replicas(c, self.num_replicas, P, S)
@@ -83,7 +85,7 @@ class HotReplicas:
             planned = list(load)
             for rep in reps:
                 moved = rep.fraction * c[rep.expert]
-                planned[rep.expert // L] -= moved
+                planned[owner(rep.expert)] -= moved
                 planned[rep.rank] += moved
             before.append(round(_busiest_over_mean(load), 4))
             after.append(round(_busiest_over_mean(planned), 4))

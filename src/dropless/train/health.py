@@ -57,9 +57,11 @@ class TrainHealth:
         self.layers: list[MoELayer] = model.moe_layers()
         moe = model.cfg.moe
         self.cfg = moe
+        # per-expert tables over every selectable expert: the layers count identity experts too
+        self.slots = model.expert_slots()
         self.reduce = all_reduce or _no_reduce
         dev = model.embed.weight.device
-        self.acc = mstats.StepAccumulator(len(self.layers), moe.routed_experts, moe.top_k, dev)
+        self.acc = mstats.StepAccumulator(len(self.layers), self.slots.selectable, moe.top_k, dev)
         self.write = write
         self.monitor = HealthMonitor(run_dir if write else None, echo=echo and write,
                                      thresholds=AlarmThresholds(warmup_steps=alarm_warmup,
@@ -220,7 +222,7 @@ class TrainHealth:
         for layer, x in zip(self.layers, inputs):
             with _unsharded(layer.router):
                 flip_bf16.append(mstats.bf16_flip_rate(layer.router, x))
-        flip_step = [mstats.flip_rate(p, n, num_experts=self.cfg.routed_experts) if p is not None else None
+        flip_step = [mstats.flip_rate(p, n, num_experts=self.slots.selectable) if p is not None else None
                      for p, n in zip(self.prev_probe_ids, ids)]
         self.prev_probe_ids = ids
         self.acc.all_reduce(self.reduce)

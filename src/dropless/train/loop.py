@@ -131,7 +131,8 @@ class Trainer:
         self.nonfinite = NonFiniteGuard(t.max_nonfinite_steps, reduce, device=self.model.embed.weight.device)
         self.start_step = 0
         # routing replay: the record's sequences and expert ids replace the data split's batches
-        self.replay = (ReplayData(cfg.data.replay_routing, cfg, self.device, t.grad_accum * self.world_size)
+        self.replay = (ReplayData(cfg.data.replay_routing, cfg, self.model.expert_slots(), self.device,
+                                  t.grad_accum * self.world_size)
                        if cfg.data.replay_routing else None)
         probe = next(iter(eval_batches(self.val_tokens, min(4, t.batch_size), t.seq_len, 1,
                                        device=self.device)))[0]
@@ -250,7 +251,7 @@ class Trainer:
         t = self.cfg.train
         if self.cfg.model.moe.balance.global_aux_loss_coeff == 0 or t.grad_accum == 1:
             return None
-        L, E = self.cfg.model.n_moe_layers, self.cfg.model.moe.routed_experts  # identity experts too
+        L, E = len(self.model.moe_layers()), self.model.expert_slots().selectable  # identity experts too
         counts = torch.zeros(L, E, device=self.device)
         with torch.no_grad():
             for micro in range(t.grad_accum):

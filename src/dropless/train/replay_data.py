@@ -2,7 +2,7 @@
 each MoE layer's forward takes the record's expert ids instead of choosing its own.
 
 Legend: B sequences per micro-batch, S the batch's longest input, L MoE layers, K experts per token,
-N sequences in the record, E experts.
+N sequences in the record, E selectable experts (the record's id range).
 
 The RL case: a rollout engine sampled these sequences and recorded its routing; the trainer learns
 from exactly those tokens through exactly those experts, with its own router's scores at the
@@ -33,7 +33,8 @@ at the resumed step, from its first epoch (the checkpoint keeps the record's fin
 Config fields: train.batch_size, grad_accum, steps, seed, the optimizer and schedule apply as usual;
 train.seq_len applies only to evaluation (validation on the run's data split, the router choosing);
 sequences longer than model.max_seq_len are refused. The record must match the model: MoE layer
-order, K, E, vocabulary (RoutingRecord.check_model names the field); strategies with a variable
+order, K, E (the selectable experts, identity experts included: their ids replay like any other),
+vocabulary (RoutingRecord.check_model names the field); strategies with a variable
 number of experts per token (expert_choice, expert_threshold) cannot replay K choices and are refused.
 """
 
@@ -46,6 +47,7 @@ from typing import Any
 import torch
 
 from ..config import RunConfig
+from ..expert_slots import ExpertSlots
 from ..serve.routing_record import VARIABLE_COUNT_STRATEGIES, RoutingRecord
 from .device import to_device
 
@@ -53,14 +55,16 @@ IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
 
 
 class ReplayData:
-    def __init__(self, path: str | Path, cfg: RunConfig, device: torch.device, micro_per_step: int = 0) -> None:
-        """`micro_per_step`: micro-batches per optimizer step over all processes (A * W; default A)."""
+    def __init__(self, path: str | Path, cfg: RunConfig, slots: ExpertSlots, device: torch.device,
+                 micro_per_step: int = 0) -> None:
+        """`slots`: the model's (`MoEModel.expert_slots()`), the range the record's ids must have;
+        `micro_per_step`: micro-batches per optimizer step over all processes (A * W; default A)."""
         strategy = cfg.model.moe.router.strategy
         if strategy in VARIABLE_COUNT_STRATEGIES:
             raise ValueError(f"model.moe.router.strategy={strategy!r}: routing replay imposes K experts "
                              "per token; this strategy chooses a variable number")
         rec = RoutingRecord.load(path)
-        rec.check_model(cfg.model, what=f"data.replay_routing={path}")
+        rec.check_model(cfg.model, slots, what=f"data.replay_routing={path}")
         self.path = str(path)
         self.fingerprint = rec.fingerprint()
         self.source = rec.source
