@@ -14,10 +14,10 @@ run on the wide orientation (X transposed when it has more rows than columns, so
 Gram matrix). These quintic coefficients (Jordan's) are tuned for speed, not convergence: they push
 every singular value that is not tiny into a band around 1 (about 0.7 to 1.2) rather than onto 1,
 which trains as well as the exact polar factor. The iteration runs in fp32 by default; `ns_dtype=bf16`
-(`train.muon_ns_dtype`, "auto" = the forward's autocast dtype) runs it in bf16 as Jordan's code does:
-the Frobenius normalisation stays fp32, the 15 GEMMs per block run in bf16 (about 3-4x faster on a
-CPU with AMX or on a GPU; without AMX a bf16 matmul runs at about half the fp32 speed, so "auto"
-keeps fp32 there), and the result stays in the fp32 band (tests/tolerances.py).
+(`train.muon_ns_dtype`, "auto" = the forward's autocast dtype) runs it in bf16 as Jordan's code does,
+but normalises in fp32 first; the 15 GEMMs per block run in bf16 (about 3-4x faster on a CPU with
+AMX or on a GPU; without AMX a bf16 matmul runs at about half the fp32 speed, so "auto" keeps fp32
+there), and the result stays in the fp32 band (tests/tolerances.py).
 
 What is a matrix. Each 2-D weight in the sense of the layer that uses it, not of its storage:
 * routed experts (`GroupedExperts`, [E, D, 2F] and [E, F, D]): each expert's slice separately, a
@@ -53,15 +53,26 @@ the per-expert computation one process does. A 2-D weight sharded on its rows is
 rank holds, and row blocks orthogonalised apart are not the orthogonal factor of the whole: it is
 gathered (`DTensor.full_tensor`, one all-gather of the update, the size of the FSDP forward gather),
 every rank runs the same iteration on the same data, and keeps its own rows (`distribute_tensor`
-with `src_data_rank=None`: a local slice, no second collective). The redundant compute is the
-dense matrices' NS on every rank; spreading whole matrices round-robin would save it at the price
-of a scatter, not worth it at these sizes.
+with `src_data_rank=None`: a local slice, no second collective). Every rank repeats the dense NS;
+spreading whole matrices round-robin would save that for a scatter, not worth it at these sizes.
 
 Skipping a step on the device. Like fused AdamW and AdamWBF16, `step()` reads an optional attribute
 `found_inf` (float scalar tensor, 1.0 = skip): parameters, momenta, moments and step counts are left
 bit-identical, decided with `torch.where`, no host read. The state is created eagerly in the
 constructor (zero momenta, zero moments, step 0: what a first step would create), so a skipped first
 step and a checkpoint taken before any step hold the same state as later ones.
+
+torch.optim.Muon (torch 2.13) is the same maths for what it covers, a 2-D weight without blocks: the
+momentum lerps and Nesterov lookahead, Newton-Schulz constants, decay lr wd, and `adjust_lr_fn`
+"match_rms_adamw" / "original" = `rms_match` 0.2 / None (tests/train/test_muon_torch.py). Not used:
+* it refuses any parameter that is not 2-D: the [E, D, F] experts, and this object's AdamW half (one
+  object, so that one `found_inf` skips both; torch's has no such flag, and creates state lazily);
+* its `_zeropower_via_newtonschulz` (private) takes one matrix: E experts would be E x 15 small GEMMs,
+  not 15 batched ones; its shape rule reads the whole parameter, not a block (gate|up, q|k|v);
+* it iterates in bf16 only (dropless defaults to fp32) and rounds elsewhere (tests/tolerances.py
+  MUON_VS_TORCH_BF16): ~3.7% from dropless's bf16 factor, so it would change every bf16 run;
+* on a row-sharded DTensor its GEMMs go through DTensor's dispatch, 11 all-reduces (tall) or 15
+  all-gathers (wide) per matrix and step, where dropless gathers once.
 
 Tensor names: m_* momentum, u_* Nesterov update, o_* orthogonalised update; *_BRC a batch of B
 matrices of R rows and C columns (B = local experts, or 1 for a 2-D weight).
@@ -82,7 +93,7 @@ from ..model import Attention
 from ..ops.activations import is_gated
 from .optim_lowp import step_prologue
 
-NS_COEFFS = (3.4445, -4.7750, 2.0315)  # Jordan's quintic: fast, lands singular values in ~[0.7, 1.2]
+NS_COEFFS = (3.4445, -4.7750, 2.0315)  # Jordan's quintic, as torch.optim.Muon's: singular values to ~[0.7, 1.2]
 NS_STEPS = 5
 NS_EPS = 1e-7
 MOMENTUM = 0.95
