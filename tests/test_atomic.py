@@ -144,5 +144,6 @@ def test_require_empty_dir_names_the_flag_and_the_path(tmp_path: Path) -> None:
     (tmp_path / "keep").write_text("x")
     with pytest.raises(ValueError, match="^" + re.escape(f"--out='{tmp_path}': exists and is not an empty folder")):
         atomic.require_empty_dir(tmp_path)
-    with pytest.raises(ValueError, match="^" + re.escape(f"--dir='{tmp_path / 'keep'}': exists")):  # a file is not a folder
+    # a file is not a folder
+    with pytest.raises(ValueError, match="^" + re.escape(f"--dir='{tmp_path / 'keep'}': exists")):
         atomic.require_empty_dir(tmp_path / "keep", "--dir")

@@ -41,6 +41,7 @@ def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_import_then_resume_generate_evaluate(qwen_dir: Path, tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "run"
+    run.mkdir()  # an empty --out folder is taken
     # (a small slice of the corpus: evaluate tokenizes it with the HF tokenizer)
     # (a balancing coefficient may change on import: it is not part of the weights' model)
     assert cli(["import-hf", str(qwen_dir), "--out", str(run), "--no-progress", "--set", "data.max_bytes=100000",
@@ -79,6 +80,7 @@ def test_init_from_fine_tunes_and_exports_to_transformers(qwen_dir: Path, tmp_pa
     assert sum(r["ce_loss"] for r in losses[-5:]) / 5 < losses[0]["ce_loss"] - 1.0
     model, cfg = load_model(run)
     assert cfg.data.tokenizer_path == str(qwen_dir / "tokenizer.json")
+    out.mkdir()  # an empty --out folder is taken
     assert cli(["export-hf", str(run), "--out", str(out), "--family", "qwen3_moe",
                 "--max-shard-size-mb", "0.02"]) == 0
     hf, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True,
@@ -136,7 +138,8 @@ def test_import_bad_input_exits_2_and_writes_nothing(tmp_path: Path, case: str,
     err = capsys.readouterr().err
     assert err.startswith("dropless import-hf: error: ")
     expect = {"no_tokenizer": "no tokenizer.json", "unknown_architecture": "model_type='llama'",
-              "out_not_empty": "not empty", "missing_shard": "model-00002-of-",
+              "out_not_empty": f"--out={str(out)!r}: exists and is not an empty folder",
+              "missing_shard": "model-00002-of-",
               "tokenizer_too_big": f"more than config.json vocab_size={VOCAB}",
               "model_override": "model.moe.top_k comes from config.json"}[case]
     assert expect in err
@@ -154,3 +157,10 @@ def test_export_refusal_exits_2_and_writes_nothing(qwen_dir: Path, tmp_path: Pat
     assert cli(["export-hf", str(run), "--out", str(tmp_path / "out"), "--family", "mixtral"]) == 2
     assert "model.qk_norm=True: mixtral cannot express it" in capsys.readouterr().err
     assert _nothing_written(tmp_path, "out")
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "keep").write_text("x")
+    assert cli(["export-hf", str(run), "--out", str(full), "--family", "qwen3_moe"]) == 2
+    assert f"--out={str(full)!r}: exists and is not an empty folder" in capsys.readouterr().err
+    assert [p.name for p in full.iterdir()] == ["keep"]
+    assert not any(p.name.startswith(".full.") for p in tmp_path.iterdir())

@@ -128,6 +128,7 @@ def test_upcycle_cli_writes_a_run_that_computes_the_dense_model(tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     src, run = tmp_path / "src", tmp_path / "run"
     hf = save_hf(llama_dense(), src)
+    run.mkdir()  # an empty --out folder is taken
     assert cli(["upcycle", str(src), "--experts", "4", "--top-k", "2", "--out", str(run)]) == 0
     out = capsys.readouterr().out
     assert "4 experts of width 40, top-2, granularity 1" in out and "balancing: aux loss 0.01; z-loss 0.001" in out
@@ -144,6 +145,7 @@ def test_upcycle_cli_writes_a_run_that_computes_the_dense_model(tmp_path: Path,
     ("copies", ["--experts", "3", "--top-k", "2", "--granularity", "2"], "--experts 3: must be a multiple"),
     ("top_k", ["--experts", "2", "--top-k", "3"], "--top-k 3: exceeds --experts 2"),
     ("missing_shard", ["--experts", "2", "--top-k", "1"], "names shards that are missing"),
+    ("out_not_empty", ["--experts", "2", "--top-k", "1"], "--out='RUN': exists and is not an empty folder"),
 ])
 def test_upcycle_bad_input_exits_2_and_writes_nothing(tmp_path: Path, case: str, args: list[str], message: str,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
@@ -154,8 +156,14 @@ def test_upcycle_bad_input_exits_2_and_writes_nothing(tmp_path: Path, case: str,
     if case == "missing_shard":
         index = json.loads((src / import_hf.INDEX_FILE).read_text())
         (src / sorted(set(index["weight_map"].values()))[1]).unlink()
+    out = tmp_path / "run"
+    if case == "out_not_empty":
+        out.mkdir()
+        (out / "keep").write_text("x")
     capsys.readouterr()  # (save_pretrained's progress bar)
-    assert cli(["upcycle", str(src), *args, "--out", str(tmp_path / "run")]) == 2
+    assert cli(["upcycle", str(src), *args, "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("dropless upcycle: error:") and message in err, err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    assert err.startswith("dropless upcycle: error:") and message.replace("RUN", str(out)) in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["run", "src"] if case == "out_not_empty" else ["src"])
+    if case == "out_not_empty":
+        assert [p.name for p in out.iterdir()] == ["keep"]

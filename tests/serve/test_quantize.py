@@ -157,7 +157,7 @@ def test_bad_inputs_fail_clearly_and_write_nothing(trained: Path, tmp_path: Path
     full = tmp_path / "full"
     full.mkdir()
     (full / "keep.txt").write_text("mine")
-    fails([str(trained), "--experts", "mxfp4", "--out", str(full)], f"--out={str(full)!r} exists")
+    fails([str(trained), "--experts", "mxfp4", "--out", str(full)], f"--out={str(full)!r}: exists and is not an empty folder")
     assert (full / "keep.txt").read_text() == "mine"
     odd = _state_pt_run(tmp_path / "odd_run", "model.moe.d_expert=40")  # 40: not 32k, not 16k
     for fmt in FORMATS:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from .. import atomic
 from ..cpu_alloc import keep_freed_memory
 from .timing import format_table, interleaved, sync
 
@@ -165,9 +166,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.overlap:
         print(f"shared-expert MLP (width {args.overlap}) over the rows the all-to-all moves:")
         print(format_table(rows, ["bytes", "a2a_ms", "mlp_ms", "sequential_ms", "overlapped_ms", "hidden"]))
-    if args.json:  # written whole to a temp name, then renamed: no half-written file on failure
-        tmp_json = f"{args.json}.tmp-{os.getpid()}"
-        with open(tmp_json, "w") as fh:
-            json.dump({"config": config, "sizes": rows}, fh, indent=2)
-        os.replace(tmp_json, args.json)
+    if args.json:  # atomic: no half-written file on failure
+        atomic.write_text(args.json, json.dumps({"config": config, "sizes": rows}, indent=2))
     return 0

@@ -44,6 +44,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from .. import atomic
 from ..config import load_config
 from ..layers import decode_experts
 from ..layers.kv_cache import KVCache
@@ -205,8 +206,6 @@ def main(argv: list[str]) -> int:
         print(f"\nno MoE path table under --dtype {args.dtype}: the decode path steps aside under "
               "autocast (layers/decode_experts.py), so both paths would be the grouped one")
     if args.json:
-        tmp = Path(args.json).with_name(Path(args.json).name + ".tmp")
-        tmp.write_text(json.dumps({"header": head, "contexts": rows, "moe_paths": paths,
-                                   "torch": torch.__version__}, indent=1))
-        tmp.replace(args.json)
+        atomic.write_text(args.json, json.dumps({"header": head, "contexts": rows, "moe_paths": paths,
+                                                 "torch": torch.__version__}, indent=1))
     return 0

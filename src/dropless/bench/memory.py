@@ -47,12 +47,12 @@ import dataclasses
 import json
 import os
 import sys
-import tempfile
 from typing import Callable
 
 import torch
 from tqdm import tqdm
 
+from .. import atomic
 from ..config import ModelConfig, MoEConfig
 from ..layers import recompute
 from ..layers.moe import MoELayer
@@ -250,15 +250,6 @@ def run(shape: str, routing: str, dtype: torch.dtype, device: torch.device, repe
     return [{**r, **meta} for r in out], meta
 
 
-def _write_json(path: str, rows: list[dict]) -> None:
-    # a temp file in the same folder, renamed at the end: a failed run leaves no partial file
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(rows, fh, indent=1)
-    os.replace(tmp, path)
-
-
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="dropless bench memory", description=__doc__.split("\n")[0])
     add_shape_args(ap)
@@ -311,5 +302,5 @@ def main(argv: list[str]) -> int:
         print(f"{scope}: fwd+bwd time ratios (moe_act: dropless / dropless_keep_act; "
               f"recompute_X: dropless_recompute_X / dropless): {times}")
     if args.json:
-        _write_json(args.json, rows)
+        atomic.write_text(args.json, json.dumps(rows, indent=1))  # a failed run leaves no partial file
     return 0

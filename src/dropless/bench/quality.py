@@ -48,13 +48,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from .. import atomic
 from ..config import RunConfig, load_config
 from ..train.run import preset_path
 from ..train.sinks import read_jsonl
@@ -195,12 +194,9 @@ def parse_variants(text: str, known: dict[str, list[str]]) -> list[str]:
 
 
 def write_json(path: Path, rows: list[dict]) -> None:
-    """Through a temporary file and a rename: a crashed bench leaves no half-written json."""
+    """Atomically (atomic.py): a crashed bench leaves no half-written json."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as fh:
-        fh.write(json.dumps(rows, indent=2) + "\n")
-    os.replace(tmp, path)
+    atomic.write_text(path, json.dumps(rows, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

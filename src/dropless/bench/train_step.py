@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import re
 import statistics
 import sys
@@ -59,6 +58,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from .. import atomic
 from ..config import ModelConfig, TrainConfig
 from ..hf import mapping
 from ..layers.moe import MoELayer
@@ -376,9 +376,7 @@ def main(argv: list[str]) -> int:
     if meta.get("hf_grouped_mm") is False:
         print("warning: transformers' experts did not run grouped_mm", file=sys.stderr)
     if args.json:
-        with open(args.json + ".tmp", "w") as fh:
-            json.dump({"meta": meta, "rows": out}, fh, indent=1)
-        os.replace(args.json + ".tmp", args.json)
+        atomic.write_text(args.json, json.dumps({"meta": meta, "rows": out}, indent=1))
     return 0
 
 

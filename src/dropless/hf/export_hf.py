@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -37,6 +36,7 @@ from typing import Any
 
 import torch
 
+from .. import atomic
 from ..model import MoEModel
 from . import mapping
 from .import_hf import INDEX_FILE, TOKENIZER_FILES, _safetensors
@@ -105,8 +105,7 @@ def export(run_dir: str | Path, out: str | Path, family: str, dtype: str = "fp32
     if not max_shard_mb > 0:
         raise ValueError(f"--max-shard-size-mb {max_shard_mb}: must be > 0")
     out = Path(out).absolute()
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"--out {out}: exists and is not empty")
+    atomic.require_empty_dir(out, "--out")
     from ..serve import packed
 
     if packed.is_packed_run(run_dir):
@@ -123,11 +122,7 @@ def export(run_dir: str | Path, out: str | Path, family: str, dtype: str = "fp32
         print(f"dropless export-hf: model.mtp_depth={cfg.model.mtp_depth}: the multi-token prediction "
               f"modules ({n:,} parameters) are training-only and left out; the export is the main model",
               file=sys.stderr)
-    tmp = out.parent / f".{out.name}.export-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic.build_dir(out) as tmp:
         files = write_shards(model, family, torch_dtype, tmp, int(max_shard_mb * 2**20))
         if tok is not None:
             for n in TOKENIZER_FILES:
@@ -142,12 +137,6 @@ def export(run_dir: str | Path, out: str | Path, family: str, dtype: str = "fp32
             print(f"dropless export-hf: warning: data.tokenizer={cfg.data.tokenizer!r}: no tokenizer files "
                   "to export (transformers has no byte tokenizer)", file=sys.stderr)
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return ["config.json", *files]
 
 

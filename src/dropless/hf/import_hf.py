@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import warnings
@@ -35,6 +34,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from .. import atomic
 from ..config import DataConfig, ModelConfig, RunConfig, apply_overrides, save_config, to_dict
 from ..model import MoEModel
 from . import fp8, mapping
@@ -263,8 +263,7 @@ def check_out(hf_dir: Path, out: Path, overrides: list[str]) -> None:
         if is_fixed(name):  # the checkpoint written must be the model config.json describes
             raise ValueError(f"--set {o}: {name} comes from config.json and the imported weights; "
                              "change it in a new run (dropless train --init-from hf:DIR --set ...)")
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"--out {out}: exists and is not empty")
+    atomic.require_empty_dir(out, "--out")
     if not (hf_dir / "tokenizer.json").is_file():
         raise ValueError(f"{hf_dir}: no tokenizer.json (the run trains and generates with the "
                          "checkpoint's own tokenizer)")
@@ -277,10 +276,7 @@ def save_run(model: MoEModel, cfg: RunConfig, hf_dir: Path, out: Path, extra: di
     from ..train import dist_checkpoint
     from ..train.optim import build_optimizer
 
-    tmp = out.parent / f".{out.name}.import-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    try:
+    with atomic.build_dir(out) as tmp:
         copy_tokenizer(hf_dir, tmp / "tokenizer")
         from ..train.tokenizer import HFTokenizer
 
@@ -292,12 +288,6 @@ def save_run(model: MoEModel, cfg: RunConfig, hf_dir: Path, out: Path, extra: di
                  "imported_from": str(hf_dir.absolute()), **extra}
         dist_checkpoint.save(tmp, 0, model, build_optimizer(model, cfg.train), state)
         save_config(cfg, tmp / "config.toml")
-        if out.exists():
-            out.rmdir()  # empty (check_out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
 
 
 def write_run(hf_dir: str | Path, out: str | Path, overrides: list[str] | None = None,

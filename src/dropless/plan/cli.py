@@ -29,6 +29,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from .. import atomic
 from ..config import RunConfig, load_config
 from .model import COMPONENTS, Plan, plan, with_overrides
 from .suggest import Suggestion, suggest
@@ -175,8 +176,5 @@ def main(argv: list[str] | None = None) -> int:
         data = {"config": args.config, "world": args.world, "device_memory": device, "fits": p.peak <= device,
                 "overrides": args.overrides, "plan": p.as_dict(),
                 "suggestions": [vars(s) for s in shown], "combined": vars(combined) if combined else None}
-        out = Path(args.json)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(data, indent=1, default=list))
-        tmp.replace(out)
+        atomic.write_text(args.json, json.dumps(data, indent=1, default=list))
     return 0

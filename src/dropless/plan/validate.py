@@ -60,6 +60,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
+from .. import atomic
 from ..config import RunConfig, load_config
 from ..saved_bytes import AliveStorages
 from .model import plan
@@ -274,9 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [r for r in rows if not r["ok"]]
     print(f"{len(rows) - len(bad)} of {len(rows)} components within 10%")
     if args.json:
-        tmp = Path(args.json).with_suffix(".tmp")
-        tmp.write_text(json.dumps(rows, indent=1))
-        tmp.replace(args.json)
+        atomic.write_text(args.json, json.dumps(rows, indent=1))
     return 1 if bad else 0
 
 

@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
+from .. import atomic
 from ..config import ModelConfig, RunConfig, to_dict
 from ..expert_slots import ExpertSlots
 from ..layers.router import RoutingDecision
@@ -99,16 +98,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Written to a temp file beside `path`, then renamed: a failed run leaves nothing."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=2)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Written atomically (atomic.py): a failed run leaves nothing."""
+    atomic.write_text(path, json.dumps(data, indent=2) + "\n")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

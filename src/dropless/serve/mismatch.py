@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from .. import atomic
 from .routing_record import RoutingRecord
 
 _CHUNK = 1 << 16  # tokens per one-hot block: bounds the [T, E] counts at 64k * E int16
@@ -118,10 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"a": args.a, "b": args.b, **result}
     print(table(result))
     if args.json:
-        path = Path(args.json)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        tmp.replace(path)
+        atomic.write_text(args.json, json.dumps(result, indent=2) + "\n")
     return 0
 
 

@@ -21,13 +21,12 @@ end, so a failure leaves nothing behind.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .. import atomic
 from ..config import ModelConfig, RunConfig, from_dict, save_config, to_dict
 from ..layers.moe import MoELayer
 from ..layers.packed_experts import PackedExperts, check_packable
@@ -133,13 +132,9 @@ def save_packed(model: MoEModel, cfg: RunConfig, out: str | Path, fmt: str, sour
                 source_step: int) -> Path:
     """Write a packed model (from `pack_model`) as the run directory `out` (absent or empty)."""
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"--out={str(out)!r} exists and is not an empty directory; choose a new path")
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    try:
-        (tmp / QUANT_DIR).mkdir(parents=True)
+    atomic.require_empty_dir(out, "--out")
+    with atomic.build_dir(out) as tmp:
+        (tmp / QUANT_DIR).mkdir()
         save_config(cfg, tmp / "config.toml")
         torch.save(model.state_dict(), tmp / QUANT_DIR / TENSORS)
         manifest = {
@@ -150,10 +145,4 @@ def save_packed(model: MoEModel, cfg: RunConfig, out: str | Path, fmt: str, sour
             "config": to_dict(cfg),
         }
         (tmp / QUANT_DIR / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        if out.exists():
-            out.rmdir()  # empty (checked above); a rename cannot replace it on every OS
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

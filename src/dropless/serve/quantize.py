@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from .. import atomic
 from ..config import RunConfig
 from ..layers.packed_experts import PACKED_FORMATS, check_format
 from ..model import MoEModel
@@ -151,9 +152,7 @@ def quantize_run(run_dir: str | Path, fmt: str, out: str | Path) -> Path:
     """Pack RUN_DIR's latest checkpoint into the run directory `out`; every check comes before any
     write, and the write is atomic (serve/packed.py)."""
     check_format(fmt)  # the format first, before any file is read
-    outp = Path(out)
-    if outp.exists() and (not outp.is_dir() or any(outp.iterdir())):
-        raise ValueError(f"--out={str(outp)!r} exists and is not an empty directory; choose a new path")
+    atomic.require_empty_dir(out, "--out")
     if packed.is_packed_run(run_dir):
         raise ValueError(f"RUN_DIR={str(run_dir)!r} is already a packed run; quantise the original run")
     cfg, path = run_config(run_dir)

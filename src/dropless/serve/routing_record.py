@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -47,6 +46,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from .. import atomic
 from ..config import ModelConfig, to_dict
 from ..expert_slots import ExpertSlots
 from ..model import MoEModel
@@ -173,17 +173,7 @@ class RoutingRecord:
 
     def save(self, path: str | Path) -> Path:
         """Write atomically (a temporary file renamed into place): a reader never sees half a record."""
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(self.to_bytes())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-        return path
+        return atomic.write_bytes(path, self.to_bytes(), fsync=True)
 
     @classmethod
     def load(cls, path: str | Path) -> "RoutingRecord":

@@ -17,7 +17,7 @@ Design notes
   `COMPLETE` marker last, fsyncs again, and only then renames the folder to `step_NNNNNN`. A rename
   within one filesystem is atomic, so a reader sees either no checkpoint or a whole one; fsync before
   the rename stops the kernel from persisting the rename before the data (the classic
-  zero-length-file-after-power-loss). The `latest` pointer is replaced the same way (tmp + os.replace).
+  zero-length-file-after-power-loss). The `latest` pointer is replaced the same way (atomic.py).
 - `latest_checkpoint` does not trust `latest`: it scans for `step_*` folders that have the marker
   and a `state.pt` or DCP `.metadata`, and returns the highest step. A crash between the folder rename and the pointer
   update then costs nothing; the pointer is a convenience, not the source of truth.
@@ -45,6 +45,8 @@ from typing import Any
 
 import torch
 
+from .. import atomic
+
 __all__ = [
     "CHECKPOINT_DIR",
     "COMPLETE_MARKER",
@@ -70,17 +72,6 @@ def checkpoint_name(step: int) -> str:
     if step < 0:
         raise ValueError(f"checkpoint step must be >= 0, got step={step}")
     return f"step_{step:06d}"
-
-
-def _fsync_dir(path: Path) -> None:
-    # Directory fsync persists the entries (new names) inside it; not supported on Windows.
-    if os.name == "nt":
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_file_synced(path: Path, data: bytes) -> None:
@@ -141,11 +132,16 @@ def save_checkpoint(
     return publish(run_dir, step, tmp, keep_last=keep_last)
 
 
+def temp_path(run_dir: str | Path, step: int, tag: int | str) -> Path:
+    """The hidden folder checkpoint `step` is written into by the writer(s) named `tag`: every rank
+    of a distributed save names the same one, so it is fixed, not `atomic.temp_sibling`'s."""
+    return Path(run_dir) / CHECKPOINT_DIR / f".tmp-{checkpoint_name(step)}-{tag}"
+
+
 def temp_dir(run_dir: str | Path, step: int, tag: int | str) -> Path:
     """A fresh hidden folder to write checkpoint `step` into (removed first if a crash left it)."""
-    ckpt_dir = Path(run_dir) / CHECKPOINT_DIR
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    tmp = ckpt_dir / f".tmp-{checkpoint_name(step)}-{tag}"
+    tmp = temp_path(run_dir, step, tag)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
@@ -158,24 +154,8 @@ def publish(run_dir: str | Path, step: int, tmp: Path, *, keep_last: int | None 
     name = checkpoint_name(step)
     ckpt_dir = Path(run_dir) / CHECKPOINT_DIR
     _write_file_synced(tmp / COMPLETE_MARKER, f"{step}\n".encode())
-    _fsync_dir(tmp)
-
-    final = ckpt_dir / name
-    if final.exists():
-        old = ckpt_dir / f".old-{name}-{os.getpid()}"
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, final)
-    _fsync_dir(ckpt_dir)
-
-    latest_tmp = ckpt_dir / f".{LATEST_FILE}-{os.getpid()}"
-    _write_file_synced(latest_tmp, f"{name}\n".encode())
-    os.replace(latest_tmp, ckpt_dir / LATEST_FILE)
-    _fsync_dir(ckpt_dir)
+    final = atomic.publish_dir(tmp, ckpt_dir / name, replace=True, fsync=True)
+    atomic.write_bytes(ckpt_dir / LATEST_FILE, f"{name}\n".encode(), fsync=True)
 
     if keep_last is not None:
         for _, path in list_checkpoints(run_dir)[:-keep_last]:

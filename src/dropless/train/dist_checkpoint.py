@@ -123,7 +123,7 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.opti
     rank = dist.get_rank() if distributed else 0
     # Every rank must name the same folder: a fixed tag when several write it, the pid for one writer.
     tag = "dcp" if distributed else str(os.getpid())
-    tmp = Path(run_dir) / ckpt.CHECKPOINT_DIR / f".tmp-{ckpt.checkpoint_name(step)}-{tag}"
+    tmp = ckpt.temp_path(run_dir, step, tag)
     if rank == 0:
         ckpt.temp_dir(run_dir, step, tag)  # (re)created empty
     if distributed:
