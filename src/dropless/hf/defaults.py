@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..configtree import _fail
+
 _COMMON = {"hidden_act": "silu", "initializer_range": 0.02, "tie_word_embeddings": False,
            "attention_dropout": 0.0, "rope_scaling": None, "rope_parameters": None}
 
@@ -72,7 +74,8 @@ NULLABLE = frozenset({"head_dim", "num_key_value_heads", "q_lora_rank", "mlp_onl
 
 
 def refuse(field: str, value: Any, why: str) -> None:
-    raise ValueError(f"config.json {field}={value!r}: {why}")
+    """configtree's "field=value: why" ValueError for a key of config.json."""
+    _fail(f"config.json {field}", value, why)
 
 
 class Fields:

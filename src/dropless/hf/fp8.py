@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from .defaults import refuse
+
 SCALE_SUFFIX = "_scale_inv"
 FP8_DTYPES = (torch.float8_e4m3fn,)
 
@@ -27,10 +29,9 @@ def block_size(hf: dict[str, Any]) -> tuple[int, int] | None:
     if not q:
         return None
     if q.get("quant_method") != "fp8":
-        raise ValueError(f"config.json quantization_config.quant_method={q.get('quant_method')!r}: only "
-                         "DeepSeek's block FP8 ('fp8') is read")
+        refuse("quantization_config.quant_method", q.get("quant_method"), "only DeepSeek's block FP8 ('fp8') is read")
     if q.get("fmt", "e4m3") != "e4m3":
-        raise ValueError(f"config.json quantization_config.fmt={q['fmt']!r}: only e4m3 is read")
+        refuse("quantization_config.fmt", q["fmt"], "only e4m3 is read")
     rows, cols = q.get("weight_block_size") or (128, 128)
     return int(rows), int(cols)
 

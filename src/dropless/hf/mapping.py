@@ -59,6 +59,7 @@ from typing import Any
 import torch
 
 from ..config import ModelConfig
+from ..configtree import _fail
 from ..model import MoEModel
 from ..moe_config import BalanceConfig, MoEConfig, RouterConfig
 from . import deepseek, rope
@@ -138,10 +139,6 @@ def model_config(hf: dict[str, Any]) -> tuple[ModelConfig, str]:
     return cfg, family
 
 
-def _fail(field: str, value: Any, family: str, why: str) -> None:
-    raise ValueError(f"{field}={value!r}: {family} cannot express it ({why})")
-
-
 def renormalises(cfg: ModelConfig) -> bool:
     """Whether the k routing weights are rescaled to sum to 1 (module note: k = 1 needs norm_top_k)."""
     r = cfg.moe.router
@@ -195,7 +192,7 @@ def check_exportable(cfg: ModelConfig, family: str) -> None:
         checks.append(("model.qk_norm", cfg.qk_norm, not cfg.qk_norm, "Qwen3 always normalises q and k"))
     for field, value, bad, why in checks:
         if bad:
-            _fail(field, value, family, why)
+            _fail(field, value, f"{family} cannot express it ({why})")
 
 
 def meta_model(cfg: ModelConfig) -> MoEModel:
