@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .. import atomic
+
 
 class JsonlLog:
     def __init__(self, path: Path) -> None:
@@ -32,7 +34,8 @@ class JsonlLog:
             return
         keep = [line for line in self.path.read_text().splitlines()
                 if line.strip() and json.loads(line).get("step", -1) < step]
-        self.path.write_text("".join(line + "\n" for line in keep))
+        # atomically: a crash in the middle of the cut must not lose the run's history
+        atomic.write_text(self.path, "".join(line + "\n" for line in keep))
 
     def read(self) -> list[dict[str, Any]]:
         return read_jsonl(self.path)
