@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.checkpoint import checkpoint
 
+from .. import atomic
 from ..cpu_alloc import keep_freed_memory
 from ..distributed.ep import EPDispatcher, EPMeta, link_capacity
 from ..layers.router import RoutingDecision
@@ -173,7 +174,7 @@ def _worker(rank: int, args: argparse.Namespace, store: str, out_path: str) -> N
                              fwd_bwd_ms=ms[f"{name}/fwd_bwd"], recompute_fwd_bwd_ms=ms[f"{name}/recompute"],
                              recompute_time_ratio=ms[f"{name}/recompute"] / ms[f"{name}/fwd_bwd"], **stats[name])
                   for name in stats}
-        with open(out_path, "w") as fh:
+        with atomic.atomic_write(out_path, "w") as fh:
             json.dump(result, fh)
     dist.destroy_process_group()
 
@@ -202,6 +203,6 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows, ["variant", "fwd_bwd_ms", "recompute_fwd_bwd_ms", "recompute_time_ratio",
                               "fwd_bytes", "bwd_bytes", "recompute_extra_bytes"]))
     if args.json:
-        with open(args.json, "w") as fh:
+        with atomic.atomic_write(args.json, "w") as fh:
             json.dump({"config": config, "modes": modes}, fh, indent=2)
     return 0

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .. import atomic
 from ..config import MoEConfig, ParallelConfig
 from ..cpu_alloc import keep_freed_memory
 from ..distributed import ep_replicas as replicas
@@ -177,7 +178,7 @@ def _worker(rank: int, args: argparse.Namespace, store: str, out_path: str) -> N
                     for dedup in (False, True) for name, factor in POLICIES}
     timing = _timing(rank, args)
     if rank == 0:
-        with open(out_path, "w") as fh:
+        with atomic.atomic_write(out_path, "w") as fh:
             json.dump({"policies": policies, "spill_vs_retry": timing}, fh)
     dist.destroy_process_group()
 
@@ -208,7 +209,7 @@ def _overlap_worker(rank: int, args: argparse.Namespace, store: str, out_path: s
     slowest = torch.tensor([ms[k] for k in fns], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     if rank == 0:
-        with open(out_path, "w") as fh:
+        with atomic.atomic_write(out_path, "w") as fh:
             json.dump(dict(zip(fns, slowest.tolist())), fh)
     dist.destroy_process_group()
 
@@ -267,7 +268,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"dropless bench ep --scenario replicas: {config}")
         print(format_table(rows, list(rows[0])))
         if args.json:
-            with open(args.json, "w") as fh:
+            with atomic.atomic_write(args.json, "w") as fh:
                 json.dump({"config": config, "rows": rows}, fh, indent=2)
         return 0
     worker = _overlap_worker if args.scenario == "overlap" else _worker
@@ -283,7 +284,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"dropless bench ep --scenario overlap: {config}")
         print(format_table(rows, list(rows[0])))
         if args.json:
-            with open(args.json, "w") as fh:
+            with atomic.atomic_write(args.json, "w") as fh:
                 json.dump({"config": config, "rows": rows, "ms": result}, fh, indent=2)
         return 0
     balanced = args.tokens * args.top_k / args.nproc
@@ -299,6 +300,6 @@ def main(args: argparse.Namespace) -> int:
           f"MoE layer forward + backward: spill {t['spill_ms']:.2f} ms, retry {t['retry_ms']:.2f} ms, "
           f"links that fit {t['fits_ms']:.2f} ms")
     if args.json:
-        with open(args.json, "w") as fh:
+        with atomic.atomic_write(args.json, "w") as fh:
             json.dump({"config": config, **result}, fh, indent=2)
     return 0

@@ -46,6 +46,7 @@ from typing import Callable, Collection, NamedTuple
 
 import torch
 
+from .. import atomic
 from ..config import MoEConfig
 from ..layers.mlp import MLP
 from ..layers.moe import MoELayer
@@ -290,6 +291,6 @@ def main(argv: list[str]) -> int:
     if "hf_rel_diff" in meta:
         print(f"hf_transformers vs dropless output, relative L2 difference: {meta['hf_rel_diff']:.2e}")
     if args.json:
-        with open(args.json, "w") as fh:
+        with atomic.atomic_write(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
     return 0

@@ -14,6 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
+from .. import atomic
 from . import plots
 from .alarms import HealthMonitor, read_alarms, thresholds_for_run
 
@@ -90,7 +91,7 @@ def write_report(run_dir: Path, out: Path | None = None) -> Path:
         lines.append(f"Plots skipped: {err}")
         print(f"dropless diagnose: {err}")
     path = out / "report.md"
-    path.write_text("\n".join(lines) + "\n")
+    atomic.write_text(path, "\n".join(lines) + "\n")
     return path
 
 

@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             r = report(args.run_dir, variants, original, cfg, args.max_batches)
             print(format_report(r))
             if args.json:
-                Path(args.json).write_text(json.dumps(r, indent=1) + "\n")
+                atomic.write_text(args.json, json.dumps(r, indent=1) + "\n")
     except (ValueError, FileNotFoundError) as err:
         print(f"dropless quantize: error: {err}", file=sys.stderr)
         return 2
