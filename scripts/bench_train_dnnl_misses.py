@@ -1,4 +1,4 @@
-"""Diagnostic for docs/benchmarks.md "bench train": dropless's forward + backward CPU time per training
+"""Diagnostic for docs/training_speed.md "bench train": dropless's forward + backward CPU time per training
 step on the bench's small model (bf16 autocast, the same batch, AdamW at learning rate LR), with
 model.moe.align = ALIGN. Run under ONEDNN_VERBOSE=profile_create to count oneDNN's primitive
 creations per step (the "=== step" lines separate the steps):

@@ -1,4 +1,4 @@
-"""Diagnostic for docs/benchmarks.md "bench train": CPU time of dropless's MoE layers inside the whole
+"""Diagnostic for docs/training_speed.md "bench train": CPU time of dropless's MoE layers inside the whole
 model's forward + backward (forward hooks for the forward; tensor hooks on the layer's output and input
 gradients bracket its backward) against one layer alone, small shape, bf16 autocast, no optimizer.
 

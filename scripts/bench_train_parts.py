@@ -1,4 +1,4 @@
-"""Diagnostic for docs/benchmarks.md "bench train": CPU time (process_time, --threads 1) of each part of the
+"""Diagnostic for docs/training_speed.md "bench train": CPU time (process_time, --threads 1) of each part of the
 step on its own, dropless vs transformers, same weights (bench/train_step.py's models), bf16 autocast:
 one MoE layer and one attention (forward + backward of y.float().square().mean() on a random input),
 the final norm + LM head + cross-entropy, and the optimizer step (grads set to zeros first).

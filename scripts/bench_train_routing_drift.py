@@ -1,4 +1,4 @@
-"""Diagnostic for docs/benchmarks.md "bench train": dropless's forward + backward CPU time per training
+"""Diagnostic for docs/training_speed.md "bench train": dropless's forward + backward CPU time per training
 step on the bench's small model (same batch, AdamW stepping), each step's cross-entropy and each MoE
 layer's largest expert load / mean load; `ftz` sets torch.set_flush_denormal(True) first.
 

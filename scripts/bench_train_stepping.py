@@ -1,4 +1,4 @@
-"""Diagnostic for docs/benchmarks.md "bench train": CPU time of forward + backward of the bench train
+"""Diagnostic for docs/training_speed.md "bench train": CPU time of forward + backward of the bench train
 models (small, bf16 autocast, same batch every iteration), with the optimizer stepping between
 iterations (`step`) or not (`nostep`: the weights never change). dropless and transformers alternate.
 

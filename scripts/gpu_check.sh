@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU check for a machine with CUDA (issue 10): about 5 minutes, one script. NOT RUN YET: no GPU has
-# been lent to this project so far; record its figures in docs/benchmarks.md when one is.
+# GPU check for a machine with CUDA: about 5 minutes, one script; its figures go in
+# docs/benchmarks.md.
 #
 #   bash scripts/gpu_check.sh [OUT_DIR]        (OUT_DIR defaults to $OUT, else gpu_check_out/)
 #

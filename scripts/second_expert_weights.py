@@ -5,7 +5,7 @@
 For each run: the final checkpoint in eval mode on 2 validation batches of 8 x 256 tokens; for every
 MoE layer, the mean weight of each token's second routed expert and the share of tokens for which it
 is below 0.05 (a pair that costs a full expert row and adds almost nothing), averaged over the layers.
-docs/quality.md "The balancing rows, 600 steps" reads it (top-k >= 2 runs only).
+docs/balancing.md "Measured on the 8-expert model" reads it (top-k >= 2 runs only).
 """
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ def test_meta_tensors_are_told_apart() -> None:
 
 
 def test_floor_formula() -> None:
-    # the figure: medium (d=1024, k=8, f=512) in bf16 is 2*1024 + 4*8*512 = 18,432 B
+    # the floor's figure: medium (d=1024, k=8, f=512) in bf16 is 2*1024 + 4*8*512 = 18,432 B
     assert bench.floor_bytes_per_token(1024, 8, 512, 2) == 18_432
     assert bench.floor_bytes_per_token(1024, 8, 512, 4) == 4 * 1024 + 4 * 8 * 2 * 512
     assert bench.floor_bytes_per_token(1024, 8, 512, 2, gated=False) == 2 * 1024 + 2 * 8 * 512

@@ -1,5 +1,5 @@
 """Config combinations that can only fail at model build or at the first forward are refused when the
-config is validated, with a ValueError naming the fields (issue 10).
+config is validated, with a ValueError naming the fields.
 
 Found by building the model from each candidate config and running one forward and backward (and one
 trainer step): each refused combination below is shown to fail for real when validation is bypassed

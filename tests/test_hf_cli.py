@@ -23,7 +23,7 @@ SMOKE = ["train.steps=2", "train.warmup_steps=0", "train.batch_size=2", "train.s
          "log.progress=false", "log.plots=false", "log.tensorboard=false"]
 
 
-# the issue's fine-tune check: 20 steps (lr 1e-2 on a random-weight model), the loss must fall
+# the fine-tune check: 20 steps (lr 1e-2 on a random-weight model), the loss must fall
 FINE_TUNE = SMOKE + ["train.steps=20", "train.lr=1e-2", "train.eval_every=10", "log.log_every=1"]
 
 

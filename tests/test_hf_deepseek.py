@@ -1,5 +1,5 @@
 """DeepSeek-V3 in and out, proved against transformers' DeepseekV3ForCausalLM (hf/deepseek.py,
-layers/mla.py, hf/fp8.py, docs/models.md).
+layers/mla.py, hf/fp8.py, docs/deepseek_v3.md).
 
 The tiny model (tests/hf_models.py deepseek_config) has everything the family adds: multi-head latent
 attention with a low-rank query, value heads narrower than query/key heads and the interleaved rotary

@@ -4,7 +4,7 @@ Dense checkpoints are tiny random-weight Qwen3ForCausalLM (grouped-query, q/k no
 untied head) and LlamaForCausalLM (tied head) models built with transformers' own classes.
 
 Tolerances: REFERENCE[fp32] where the same function is computed with products summed in another order
-(a grouped expert GEMM vs the dense MLP's, softmax weights 1/K summed K times); the issue's 1e-3 on the
+(a grouped expert GEMM vs the dense MLP's, softmax weights 1/K summed K times); the 1e-3 on the
 loss curve (tests/tolerances.py UPCYCLE_LOSS_CURVE says why it is that loose).
 """
 

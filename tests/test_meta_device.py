@@ -173,7 +173,7 @@ TRAINER_CASES = {
     "expert_threshold": ["model.moe.router.strategy=expert_threshold"],
     "quantile_seq_aux": ["model.moe.router.use_expert_bias=true", "model.moe.balance.quantile_balance=true",
                          "model.moe.balance.seq_aux_loss_coeff=0.01"],
-    # the model knobs of docs/quality.md: an explicit MoE layer list, identity experts
+    # the model knobs of docs/model_knobs.md: an explicit MoE layer list, identity experts
     "model_knobs": ["model.n_layers=3", "model.moe_layer_freq=[1]", "model.moe.n_identity_experts=2",
                     "model.moe.latent_dim=16", "model.moe.latent_norm=true", "model.block=parallel_moe",
                     "model.mtp_depth=1"],

@@ -1,4 +1,4 @@
-"""The model's design knobs (issue 14, docs/quality.md): MoE layer frequency, parallel block, and the
+"""The model's design knobs (docs/model_knobs.md): MoE layer frequency, parallel block, and the
 plain reference composition the block-level knobs are checked against.
 
 Bit-exactness (torch.equal) is claimed where the reference runs the same modules on the same inputs

@@ -242,7 +242,7 @@ def test_world_two_ep_recompute_activations(mode: str) -> None:
     assert abs(p.activations / measured["activations"] - 1) < 0.02, (p.activations, measured["activations"])
 
 
-# the model knobs of docs/quality.md: the planner measures each on fake tensors like any block
+# the model knobs of docs/model_knobs.md: the planner measures each on fake tensors like any block
 # (identity experts and the latent projections inside the MoE block, the parallel block's
 # order, the layer pattern of moe_layer_freq, the MTP modules beside the head)
 KNOBS = {

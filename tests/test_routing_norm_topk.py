@@ -56,7 +56,7 @@ RULES = [("softmax", True, True), ("softmax", False, True), ("softmax", True, Fa
          ("sigmoid", True, True), ("sigmoid", True, False), ("sqrt_softplus", True, True)]
 # (E, k1, k2, n_groups, topk_groups, bias) and why each exists
 SHAPES = [
-    (8, 1, 2, 1, 1, False),   # the case: top-1 of a top-2 model
+    (8, 1, 2, 1, 1, False),   # the serving case: top-1 of a top-2 model
     (8, 1, 4, 1, 1, True),    # K2 = 2k; a selection bias that must not enter the weights
     (8, 2, 2, 1, 1, False),   # K2 = K1 given explicitly: the plain rule
     (8, 1, 1, 1, 1, False),   # K2 = K1 = 1: an explicit norm_top_k normalises one weight to 1

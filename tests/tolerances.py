@@ -144,7 +144,7 @@ ADAMW_BF16_REL_DISPLACEMENT = 0.02
 # CPU (AVX-512, AVX2, AMX machines). Measured on torch 2.13 CPU: a router row of a 12-token batch differs
 # by 9.5e-7 from the same row in its 6-token half on an AMX machine's default path, while under
 # MKL_ENABLE_INSTRUCTIONS=AVX2 a plain mm row differs by up to 4.8e-7 between batches of 2..9 and 1000
-# rows; the EP parity suite saw 6e-8..4.8e-7 differences depending on the machine (issue 10). Beyond
+# rows; the EP parity suite saw 6e-8..4.8e-7 differences depending on the machine. Beyond
 # that, de-dup sums a token's pairs per rank, then over ranks (a different association of the same
 # <= K terms), and replicated weights sum their gradient over ranks after each rank summed its own
 # tokens (a different association of T terms). All of it is a few ulps of the largest partial sum;
@@ -257,7 +257,7 @@ E4M3_SUBNORMAL = 2.0**-10 + 1e-6
 # upcycled to one expert with top-1 (weight exactly 1), trained 15 steps side by side in fp32. The
 # functions are equal; the sums are not ordered alike (grouped expert GEMM vs the dense MLP's), so the
 # gradients differ by fp32 roundings that AdamW's per-element normalisation amplifies where a
-# gradient is near zero. 1e-3 nats per step is the issue's bound (the handbook's check).
+# gradient is near zero. 1e-3 nats per step is the bound (the handbook's check).
 UPCYCLE_LOSS_CURVE = 1e-3
 
 # bench train's two models on the same batch (tests/bench/test_bench_train.py): dropless's MoEModel

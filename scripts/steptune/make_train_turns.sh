@@ -1,5 +1,5 @@
 # The `dropless train` command itself (the tiny preset, 80 steps, no evaluation or checkpoint), before
-# and after, in turns: BASE_SRC=<old checkout>/src bash scripts/steptune/make_train_turns.sh (docs/benchmarks.md).
+# and after, in turns: BASE_SRC=<old checkout>/src bash scripts/steptune/make_train_turns.sh (docs/training_speed.md).
 set -e
 for r in 1 2; do for v in before after; do
   src=$PWD/src; [ $v = before ] && src=${BASE_SRC:?set BASE_SRC to a checkout of the old commit/src}

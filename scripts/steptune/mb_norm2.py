@@ -1,6 +1,6 @@
 """RMSNorm reference against the autograd Function (ops/rms_norm.py): forward + backward median ms at the
 tiny preset's shape (16 x 256 x 256, 1 thread), then the outputs (torch.equal) and the gradient gaps.
-    PYTHONPATH=src python scripts/steptune/mb_norm2.py   (docs/benchmarks.md "The training step, profiled")"""
+    PYTHONPATH=src python scripts/steptune/mb_norm2.py   (docs/training_speed.md "Where a CPU training step goes")"""
 import torch, time
 from dropless.ops.rms_norm import rms_norm, rms_norm_reference
 torch.set_num_threads(1)

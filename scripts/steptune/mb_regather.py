@@ -1,6 +1,6 @@
 """The lean experts' backward re-gather: gather then cast against cast then gather (ops/lean_experts.py), in turns,
 median ms at T = 4096, D = 256 (1 thread), and whether the two give equal bf16 rows.
-    PYTHONPATH=src python scripts/steptune/mb_regather.py   (docs/benchmarks.md "The training step, profiled")"""
+    PYTHONPATH=src python scripts/steptune/mb_regather.py   (docs/training_speed.md "Where a CPU training step goes")"""
 import torch, time
 from dropless.ops.lean_experts import regather, RowSource
 torch.set_num_threads(1)

@@ -7,7 +7,7 @@ its overrides, importing dropless from SRC_DIR, and runs STEPS_PER_TURN optimize
 (the loop's per-step work: train_step, and on every 10th step the log row). The parent alternates the
 order every round, so slow drift of a shared machine's load hits every variant alike; tokens/s =
 batch_size * seq_len * steps / seconds of each turn, and each round's ratio to the first variant.
-docs/benchmarks.md, "The training step, profiled".
+docs/training_speed.md, "Where a CPU training step goes".
 """
 
 from __future__ import annotations

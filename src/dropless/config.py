@@ -94,9 +94,9 @@ class ModelConfig:
     norm_eps: float = 1e-6
     init_std: float = 0.02
     moe: MoEConfig = field(default_factory=MoEConfig)
-    # activation recompute by module name (layers/recompute.py, docs/memory.md): any of RECOMPUTE
+    # activation recompute by module name (layers/recompute.py, docs/recompute.md): any of RECOMPUTE
     recompute: list[str] = field(default_factory=list)
-    # activation offload to host memory by module name (layers/offload.py, docs/memory.md): any of OFFLOAD
+    # activation offload to host memory by module name (layers/offload.py, docs/offload.md): any of OFFLOAD
     offload: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:

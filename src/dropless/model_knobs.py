@@ -1,4 +1,4 @@
-"""Validation and layout rules of the model's design knobs (issue 14; docs/quality.md).
+"""Validation and layout rules of the model's design knobs (docs/model_knobs.md).
 
 Kept out of config.py (which lists the fields) because each knob has a rule worth reading:
 
@@ -11,7 +11,7 @@ Kept out of config.py (which lists the fields) because each knob has a rule wort
   `layer % freq == 0` from layer 0; the two agree when the prefix is a multiple of n.)
 - `model.block`: "sequential" is x + attn(norm(x)) then + ffn(norm(x)); "parallel_moe" (ScMoE's
   shortcut) feeds an MoE block's expert layer its own norm of the block's input x, so the MoE does not
-  wait for attention (model.py Block, docs/quality.md). Dense blocks stay sequential.
+  wait for attention (model.py Block, docs/model_knobs.md). Dense blocks stay sequential.
 - `model.mtp_depth` / `model.mtp_weight`: multi-token prediction (layers/mtp.py).
 - `model.moe.latent_dim` must not exceed d_model (the MoE part checks l >= 0 itself).
 """

@@ -21,7 +21,7 @@ ON_OVERFLOW = ("skip", "retry", "spill")  # buffered EP: what happens to pairs t
 
 @dataclass
 class ParallelConfig:
-    """Expert parallelism (mission.md section 5; protocol in docs/ep.md)."""
+    """Expert parallelism (mission.md section 5; protocol in docs/ep_dispatch.md)."""
 
     ep_size: int = 1  # ranks the experts are spread over (contiguously: rank r owns a block of E/ep_size)
     ep_mode: str = "exact"  # "exact": split sizes read on the host; "buffered": fixed buffers, no sync
@@ -41,11 +41,11 @@ class ParallelConfig:
     # fixed all-to-all buffers from (ranks may hold fewer; more is a ValueError from the shape).
     # 0 = the trainer's micro-batch, train.batch_size * train.seq_len
     max_tokens_per_rank: int = 0
-    # watching the collectives (distributed/watch.py, docs/ep.md "All-to-all health", "Hang diagnostics")
+    # watching the collectives (distributed/watch.py, docs/ep_health.md "All-to-all health", "Hang diagnostics")
     check_collectives: bool = False  # fingerprint every watched collective; ranks compare them at log steps
     collective_timeout_s: float = 0.0  # > 0: a collective fails after this long, naming the ranks missing
     a2a_alarm_ratio: float = 1.5  # health alarm when an interval's all-to-all time exceeds this x baseline
-    # EP with shared experts: compute them while the dispatch all-to-all is in flight (docs/ep.md "Overlap")
+    # EP with shared experts: compute them while the dispatch all-to-all is in flight (docs/ep_health.md "Overlap")
     overlap_shared: bool = True
     # hot-expert replication (train/ep_replicas_train.py): copies of the R busiest experts on other EP
     # ranks, placed from the global counts every replica_interval steps; 0 = off

@@ -70,7 +70,7 @@ def test_bench_quality_rows(tmp_path: Path, capsys) -> None:
 
 
 def test_tiny_dense_row_is_the_dense_preset() -> None:
-    """The derived dense row has the dense preset's parameters (the issue's 'same active parameters')."""
+    """The derived dense row has the dense preset's parameters ('same active parameters')."""
     tiny = load_config(preset_path("tiny"))
     dense = load_config(preset_path("tiny"), bench.variants(tiny)["dense"])
     preset = load_config(preset_path("dense"))
@@ -199,9 +199,9 @@ def test_table_shows_each_seeds_first_step_at_maxvio_half() -> None:
     assert line[cols.index("first_mean_0.5")] == "209/never" and line[cols.index("maxvio_mean")] == "0.40"
 
 
-def test_every_balancing_row_loads_and_the_session_10_rows_set_their_rules() -> None:
+def test_every_balancing_row_loads_and_the_warm_and_damped_rows_set_their_rules() -> None:
     """Each `bal_<method>` row is a valid config of the preset (a bad override would fail the bench
-    only when its turn came, hours in); the two rules that met issue 14's targets are what they say."""
+    only when its turn came, hours in); the two rules that met the balancing targets are what they say."""
     tiny = load_config(preset_path("tiny"))
     rows = bench.variants(tiny)
     cfgs = {n: load_config(preset_path("tiny"), sets).model.moe for n, sets in rows.items() if n.startswith("bal_")}

@@ -1,4 +1,4 @@
-"""The all-to-all health alarm (issue 15): a rank whose all-to-alls slow down mid-run fires `a2a_slow`;
+"""The all-to-all health alarm : a rank whose all-to-alls slow down mid-run fires `a2a_slow`;
 the same run without the slowdown stays quiet (and, with `parallel.check_collectives`, passes every
 fingerprint check).
 

@@ -1,4 +1,4 @@
-"""Hang diagnostics (issue 15): with `parallel.check_collectives` and a short `collective_timeout_s`, a
+"""Hang diagnostics: with `parallel.check_collectives` and a short `collective_timeout_s`, a
 rank that skips a collective, or issues it with other sizes, ends the run on every rank within the
 timeout with `CollectiveMismatchError` naming the first collective where the ranks differ, instead of
 a hang.

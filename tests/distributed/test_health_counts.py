@@ -1,4 +1,4 @@
-"""The routing record (routing.jsonl) of a distributed run counts every token once (issue 10).
+"""The routing record (routing.jsonl) of a distributed run counts every token once.
 
 W gloo ranks with grad_accum 1 see the global batch of one process with grad_accum W (rank r's
 micro-batch is the one-process micro-batch r, tests/distributed/test_parallel_train.py). The record of

@@ -1,4 +1,4 @@
-"""A skipped step changes nothing under several processes (issue 10): parameter shards, optimizer state
+"""A skipped step changes nothing under several processes: parameter shards, optimizer state
 and the router buffers (loss-free bias, quantile-balancing bias) stay bit-identical on every rank.
 
 - Buffered EP without retry: an overflowing step is skipped. The optimizer skipped it before, but the

@@ -1,6 +1,6 @@
 """`dropless diagnose` holds the balance alarms back for the run's learning-rate warm-up, as the trainer
-does (issue 10: the default run's report listed `collapse` at steps 0 and 9 of a 50-step warm-up,
-because the report replayed the rules over routing.jsonl without the warm-up)."""
+does (replaying the rules over routing.jsonl without the warm-up would list `collapse` at steps 0
+and 9 of a 50-step warm-up)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Generation with the model knobs of docs/quality.md: the KV-cache path against the full forward
+"""Generation with the model knobs of docs/model_knobs.md: the KV-cache path against the full forward
 (logits) and against the recompute path (greedy tokens), for identity experts and LatentMoE (the
 decode-size calls take their own expert path), and the MTP modules stay out of generation."""
 

@@ -1,5 +1,5 @@
-"""A start that fails on a bad config or data path writes nothing (issue 10: `dropless train --set
-'data.sources=["/nonexistent"]'` printed a clear error and left an empty run directory behind).
+"""A start that fails on a bad config or data path writes nothing (`dropless train --set
+'data.sources=["/nonexistent"]'` must print a clear error and leave no run directory behind).
 Driven through the CLI entry point, in a temporary working directory."""
 
 from __future__ import annotations

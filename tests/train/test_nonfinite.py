@@ -1,5 +1,5 @@
 """Non-finite steps (train/nonfinite.py): skipped on the device with nothing changed, counted, reported,
-and a streak stops the run with a good last checkpoint (issue 10).
+and a streak stops the run with a good last checkpoint.
 
 NaN is injected by a forward hook on the final norm that multiplies its output by NaN while `POISON`
 is set: the loss and every gradient become NaN, as a real overflow would make them.

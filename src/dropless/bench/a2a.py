@@ -10,7 +10,7 @@ each, their ratio, and the bandwidths in the nccl-tests convention: algbw = S / 
 (N-1)/N for the all-to-all (each rank moves (N-1)/N of its buffer over links) and algbw x 2(N-1)/N
 for the all-reduce (a ring's reduce-scatter plus all-gather). Equal busbw means the all-to-all uses
 the links as well as the all-reduce does; an all-to-all far below the all-reduce on the same group
-is the failure the trainer's all-to-all alarm watches for (docs/ep.md, "All-to-all health").
+is the failure the trainer's all-to-all alarm watches for (docs/ep_health.md, "All-to-all health").
 
 `--overlap D` adds, per size, what overlapping a shared expert with the exchange would save: a
 shared-expert MLP (D -> 4D -> D, SiLU, fp32) over the S/(4D) rows that the all-to-all moves, timed

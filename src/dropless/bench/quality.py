@@ -16,7 +16,7 @@ of each step, averaged over the last 5 intervals' steps (`bench balance`'s maxvi
 steps instead of 20). `first_vio_0.5` is the last step of the first log interval in which every
 step's global MaxVio, in every layer, was at most 0.5; `first_mean_0.5` that of the first interval
 whose `maxvio_mean` measure was at most 0.5 (`bench balance`'s step_vio_0.5 read at interval ends,
-the measure issue 14's target was given in); "never" if none was.
+the measure the balancing targets are stated in); "never" if none was.
 Variants are overrides of the preset, derived from its own shape (E experts, top-k, width f, model
 width d), so that they stay meaningful when the preset changes. Every row but `default` starts
 from the preset's plain MoE: the quality knobs of KNOBS_OFF at their off values, so a knob the preset
@@ -61,9 +61,9 @@ from .balance import METHODS as BALANCE_METHODS
 from .timing import format_table
 
 # each optimizer's train.lr for its row when it is not the preset's own: the best of each optimizer's
-# 600-step grid on the tiny preset (docs/quality.md "The learning-rate grids")
+# 600-step grid on the tiny preset (docs/quality.md "Optimizer and learning rate")
 MUON_LR, ADAMW_LR = "5e-3", "1e-3"
-# the model knobs of issue 14 at their off values (config.py's defaults): the base of every row but
+# the model knobs (docs/model_knobs.md) at their off values (config.py's defaults): the base of every row but
 # `default`. The preset's shape, router, balancing and optimizer are kept.
 KNOBS_OFF = ["model.mtp_depth=0", "model.moe.n_identity_experts=0", "model.moe.latent_dim=0",
              "model.moe.latent_norm=false", "model.block=sequential"]
@@ -117,7 +117,7 @@ def summarize(run_dir: Path, summary: dict, last: int = 5) -> dict:
     routing = every[-last:]
     # two readings of "reaches MaxVio 0.5": every step of a log interval (the interval max) in every
     # layer, or the worst layer's per-step value averaged over the interval (bench balance's measure,
-    # the one issue 14's targets were given in); rows from before the monitor kept the mean have none
+    # the one the balancing targets are stated in); rows from before the monitor kept the mean have none
     reached = next((r["step"] for r in every if max(layer["maxvio_global"] for layer in r["layers"]) <= 0.5), None)
     has_mean = bool(every) and all(r.get("maxvio_worst_mean") is not None for r in every)
     reached_mean = next((r["step"] for r in every if r["maxvio_worst_mean"] <= 0.5), None) if has_mean else None

@@ -85,7 +85,7 @@ class Shape:
 
 # "tiny" is for the tests. medium has 1 layer, not small's 4: a medium layer holds 100M expert
 # parameters, 1.6 GB per model with gradients and AdamW state, and the bench holds two models
-# (dropless's, shared by its two rows, and transformers'); on the shared 23 GB machine of session 6
+# (dropless's, shared by its two rows, and transformers'); on a shared 23 GB machine
 # (other jobs using 12-19 GB) a 2-layer run grew past 6.8 GB resident before its first timed step and
 # was stopped. Every layer is the same, so one layer keeps the per-layer comparison; the head and the
 # loss weigh more in the step than with 4.
@@ -253,7 +253,7 @@ def uses_grouped_mm(bench: Bench) -> bool:
 # ---- running ----------------------------------------------------------------------------------------
 
 def cpu_flags() -> str:
-    """The AMX / AVX-512-BF16 flags of this CPU (docs/benchmarks.md quotes them beside speed figures)."""
+    """The AMX / AVX-512-BF16 flags of this CPU (docs/training_speed.md quotes them beside speed figures)."""
     try:
         text = open("/proc/cpuinfo").read()
     except OSError:

@@ -8,7 +8,7 @@ T tokens on this rank, K slots per token, D model width.
     C   per-link pair capacity (buffered mode); Cr per-link row capacity
 The index maths is in ep_plan.py; this file runs the collectives in order.
 
-The protocol (docs/ep.md has the full note):
+The protocol (docs/ep_dispatch.md has the full note):
 1. Counts: each rank sends every rank an int64 row [pairs per local expert (L), rows]: one
    fixed-size all-to-all, on the device. Invalid slots of a masked decision (expert choice, expert
    threshold) are no pairs: they are not counted, get no row and send nothing.
@@ -42,7 +42,7 @@ gives index_select's backward a deterministic kernel (PyTorch documents it in th
 
 Overlap (`dispatch_overlapped`, parallel.overlap_shared): step 3's token rows and metadata are issued
 asynchronously (comm.all_to_all_start) and the caller's `during` (the layer's shared experts) runs
-before they are waited for; the same collectives on the same data, so bit-identical (docs/ep.md).
+before they are waited for; the same collectives on the same data, so bit-identical (docs/ep_health.md).
 
 Devices: every tensor is made on x's device (constants with `new_full`); the host reads are exact
 mode's one `.tolist()` of the split sizes and, in buffered mode with `on_overflow="spill"`, one int

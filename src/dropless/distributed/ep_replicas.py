@@ -1,4 +1,4 @@
-"""Hot-expert replication for expert parallelism (issue 15): the layer-level form with the copies as
+"""Hot-expert replication for expert parallelism: the layer-level form with the copies as
 parameters (`replicate_layer` ... `sync_replica_grads`), and the trainer's form with the copies
 fetched from their owners each call (`HotReplicaDispatcher`, at the end; train/ep_replicas_train.py).
 

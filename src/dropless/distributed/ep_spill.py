@@ -3,7 +3,7 @@
 Legend: T tokens on this rank, K slots per token, D model width, L local experts;
     R rows of an expert-major GEMM buffer (`_a`: the buffered batch, `_b`: the spill batch, `_m`: merged)
 
-Buffered mode drops the pairs past a link's fixed block (docs/ep.md). With spill, the count exchange
+Buffered mode drops the pairs past a link's fixed block (docs/ep_buffers.md). With spill, the count exchange
 also carries each rank's overflow, so every rank learns the group's total in the same collective; one
 host read of that total decides, on every rank alike, whether a second exchange runs. When it does,
 the overflowing pairs (and only they: a decision whose validity mask keeps just them) go through an

@@ -21,7 +21,7 @@ reads E matrices instead of K and was slower still at T = 1.
 
 Its cost grows with the pairs (each bag walks D or K*F rows one by one), where the grouped path's
 GEMMs reuse each expert's weights across its rows; `DECODE_MAX_TOKENS` is where it stopped paying
-when measured (`dropless bench generate`, the MoE path table; docs/serving.md "## Generation").
+when measured (`dropless bench generate`, the MoE path table; docs/generation.md "What it does").
 
 Numerics: the same products as the grouped path on the same numbers, summed in another order (a
 row walk instead of a blocked GEMM, the K pairs of a token inside one sum instead of a combine
@@ -50,7 +50,7 @@ from .router import RoutingDecision
 
 # Calls of at most this many tokens take the decode path, per device type (measured with
 # `dropless bench generate`'s MoE path table and the layer alone at the default preset's shapes,
-# D = F = 256, E = 8, K = 2; figures in docs/serving.md "## Generation"). CPU, one thread, the layer
+# D = F = 256, E = 8, K = 2; figures in docs/generation.md "What it does"). CPU, one thread, the layer
 # alone, grouped vs decode: 0.57 vs 0.41 ms at T = 1, 0.77 vs 0.67 at T = 4, 0.98 vs 0.90 at T = 8,
 # 1.04 vs 1.26 at T = 16: the bags walk D rows per pair where the GEMMs reuse each weight across
 # rows. CUDA: 16 is a guess, not measured (no GPU here): the grouped path's dozen-odd kernel launches

@@ -1,4 +1,4 @@
-"""Identity (zero-compute) experts, `moe.n_identity_experts` (docs/quality.md).
+"""Identity (zero-compute) experts, `moe.n_identity_experts` (docs/model_knobs.md).
 
 Legend: T tokens, K experts per token, D model width (the latent width under LatentMoE), E real
 experts, Z identity experts.

@@ -1,4 +1,4 @@
-"""LatentMoE, `moe.latent_dim` (docs/quality.md): the routed experts run in a width l < d.
+"""LatentMoE, `moe.latent_dim` (docs/model_knobs.md): the routed experts run in a width l < d.
 
 Legend: T tokens, D model width, L latent width (l).
 

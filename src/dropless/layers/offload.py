@@ -4,7 +4,7 @@ forward and comes back in the backward.
 Legend: no MoE shapes here; a *storage* is the memory every view of a tensor shares (as in
 saved_bytes.py, whose keying this file follows).
 
-`model.offload` names module scopes of each block (docs/memory.md):
+`model.offload` names module scopes of each block (docs/offload.md):
     layer       the whole block (both norms, attention, the MLP or the MoE layer)
     attn        the attention module (qkv, rotary, SDPA, output projection)
     attn_input  the attention's qkv projection: it saves its input, the normed hidden state (or its

@@ -46,7 +46,7 @@ def has_grouped_mm() -> bool:
 # GFLOP/s against 120-150 with one fixed count). Rounding each group up to a multiple of this many
 # rows (zero padding rows, which the plan already knows how to make) leaves few distinct shapes, all
 # cached after the first steps: the default preset's MoE layer, forward and backward under bf16
-# autocast, 1178 -> 709 ms (docs/benchmarks.md, "The training step, profiled"). MKL's fp32 GEMM has
+# autocast, 1178 -> 709 ms (docs/training_speed.md, "Where a CPU training step goes"). MKL's fp32 GEMM has
 # no such cost, so fp32 plans stay unpadded (and bit-identical to before). Only where groups average at
 # least 8 buckets (256 rows): the padding, about half a bucket per group, then costs at most ~6% more
 # rows; small calls (tests, decoding-sized batches) keep their plans.

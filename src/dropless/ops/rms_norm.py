@@ -9,7 +9,7 @@ Legend: T rows (all leading dims), D normalised width.
 Why: the plain composition (`rms_norm_reference`) is five element-wise ops whose autograd graph runs
 about twelve passes over [T, D] in the backward (pow, mean, rsqrt, two broadcast multiplies, each
 with its own backward and a broadcast reduction); in the default CPU training step the norms were
-about a tenth of the step (docs/benchmarks.md, "The training step, profiled"). This Function runs
+about a tenth of the step (docs/training_speed.md, "Where a CPU training step goes"). This Function runs
 the forward's ops as they are (same ops, same order: the same bits as the reference) and keeps xhat
 and r; its backward is the closed form
 

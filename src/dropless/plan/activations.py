@@ -17,7 +17,7 @@ and its rotary tables are the model's own buffers (so an explicit head width or 
 needs nothing here). The count is `dropless.saved_bytes.saved_bytes` (storages, once each,
 parameters excluded), plus two things that are alive during the backward but that autograd does
 not "save":
-- the inputs a recompute checkpoint keeps by reference (docs/memory.md: inside a checkpointed region
+- the inputs a recompute checkpoint keeps by reference (docs/recompute.md: inside a checkpointed region
   the checkpoint's own hooks shadow the counter, and the region's inputs, often closure-captured, are
   no saved tensors): every storage an op inside the region reads that the region did not create
   (`_RegionReads`), parameters and constant tables excluded;
@@ -46,7 +46,7 @@ rows), plus the L local experts on R rows as the EP dispatcher runs them (no row
 experts keep the R received rows, D wide, in the compute dtype), both measured on fake tensors the
 same way. The substitution goes where the
 experts' saved tensors go: nowhere when the experts are recomputed (`moe`, `layer`: the recompute
-repeats the all-to-alls and keeps no dispatched rows, docs/memory.md), into the host bytes when they
+repeats the all-to-alls and keeps no dispatched rows, docs/recompute.md), into the host bytes when they
 are offloaded (`layer`, `moe`, `experts`), else into the device bytes.
 """
 

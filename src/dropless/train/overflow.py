@@ -1,6 +1,6 @@
 """EP buffered mode, trainer side: a step whose pairs did not all fit is never applied.
 
-Buffered expert parallelism (docs/ep.md) drops the pairs that overflow a fixed per-link buffer and
+Buffered expert parallelism (docs/ep_buffers.md) drops the pairs that overflow a fixed per-link buffer and
 counts them on the device. The trainer turns the count into a policy, without a host sync per step
 unless it must:
 
