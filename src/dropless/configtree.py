@@ -6,6 +6,7 @@ Kept apart from the tree itself (config.py) so that file reads as the list of wh
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import tomllib
 import types
@@ -37,6 +38,7 @@ def _resolve_type(tp: Any) -> Any:
     return tp, False
 
 
+@functools.cache  # resolving the annotations is most of the time of validating a config
 def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 

@@ -1,0 +1,201 @@
+"""`python -m dropless.check.matrix` (or `dropless check-matrix`): the combination matrix.
+
+    python -m dropless.check.matrix [--rows N|A-B] [--stages a,b] [--fast] [--no-ep] [--jobs N]
+                                    [--json FILE] [--keep DIR] [--timeout S]
+
+Prints the factors (factors.py), the number of rows and of pairs (covered / refused), checks every
+refused pair through `dropless train` (refusals.py), then runs each row through the stages
+(stages.py), one process per row (row.py), `--jobs` rows at a time, with a progress line per row;
+then the table (one line per row: a column per stage with ok / refused / FAIL, `-` where what the
+stage needs is missing, then the row's non-default values) and each failure with its traceback.
+Exits 1 on any FAIL, a refused pair not refused properly, or an allowed pair left uncovered.
+
+`--fast`: the one-process rows without a real compile (no EP launch, no inductor build).
+`--no-ep`: leave out the rows that train at world 2. `--keep DIR`: keep the rows' folders there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from . import covering
+from . import factors as fx
+from .refusals import check_refused_pairs
+from .row import RUNNING
+from .stages import NAMES, selection
+
+SHORT = {"ok": "ok", "refused": "ref", "FAIL": "FAIL", "-": "-", "": ""}
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="dropless check-matrix", description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default=None, help="one row N or a range A-B (1-based, as the table shows)")
+    p.add_argument("--stages", default=None, help=f"comma-separated subset of {','.join(NAMES)}")
+    p.add_argument("--fast", action="store_true", help="one-process rows without a real compile")
+    p.add_argument("--no-ep", action="store_true", help="leave out the rows that train at world 2")
+    p.add_argument("--jobs", type=int, default=1, help="rows run in parallel processes")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument("--keep", type=Path, default=None, help="keep the rows' folders under this directory")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds one row may take")
+    p.add_argument("--seed", type=int, default=covering.SEED, help="the generator's seed")
+    return p.parse_args(argv)
+
+
+def row_numbers(text: str | None, n: int) -> list[int]:
+    if text is None:
+        return list(range(1, n + 1))
+    a, _, b = text.partition("-")
+    try:
+        lo, hi = int(a), int(b or a)
+    except ValueError:
+        raise ValueError(f"--rows {text!r}: expected N or A-B") from None
+    if not 1 <= lo <= hi <= n:
+        raise ValueError(f"--rows {text!r}: rows are 1..{n}")
+    return list(range(lo, hi + 1))
+
+
+def is_ep(values: list[fx.Value]) -> bool:
+    return any(o.startswith("parallel.ep_size=") and o != "parallel.ep_size=1" for v in values for o in v.overrides)
+
+
+def compiles(values: list[fx.Value]) -> bool:
+    labels = {(v.factor, v.label) for v in values}
+    return any(a in labels and b in labels for a, b in fx.EXPENSIVE)
+
+
+def describe(m: covering.Matrix, row: tuple[int, ...]) -> str:
+    return " ".join(v.label for v in m.values(row) if v != m.factors[covering_index(m, v)][0]) or "(defaults)"
+
+
+def covering_index(m: covering.Matrix, v: fx.Value) -> int:
+    return next(i for i, f in enumerate(m.factors) if f[0].factor == v.factor)
+
+
+def header(m: covering.Matrix, problems: list[str]) -> list[str]:
+    lines = [f"factors ({len(m.factors)}; the first value is the default):"]
+    lines += [f"  {f[0].factor:<14} {', '.join(v.label for v in f)}" for f in m.factors]
+    missed, bad_rows = covering.coverage(m)
+    lines.append(f"rows: {len(m.rows)} ({sum(is_ep(m.values(r)) for r in m.rows)} at world 2); pairs: "
+                 f"{len(m.allowed) + len(m.refused)}, {len(m.allowed) - len(missed)} covered, "
+                 f"{len(m.refused)} refused by validation, {len(missed)} uncovered; rows refused whole: "
+                 f"{len(bad_rows)}")
+    lines.append(f"refused pairs through dropless train: {len(m.refused) - len(problems)} refused properly"
+                 + (f", {len(problems)} problems:" if problems else ""))
+    lines += [f"  {p}" for p in problems]
+    return lines
+
+
+def run_rows(m: covering.Matrix, numbers: list[int], stages: list[str], args: argparse.Namespace,
+             root: Path) -> dict[int, dict[str, Any]]:
+    results: dict[int, dict[str, Any]] = {}
+    lock, done = threading.Lock(), [0]
+    env = dict(os.environ, OMP_NUM_THREADS="1", DROPLESS_FILL_UNINITIALIZED="1")
+
+    def one(n: int) -> None:
+        values = m.values(m.rows[n - 1])
+        folder = root / f"row-{n:03d}"
+        folder.mkdir(parents=True)
+        spec = {"overrides": covering.overrides(values), "options": fx.stage_options(values), "stages": stages}
+        (folder / "spec.json").write_text(json.dumps(spec, indent=1))
+        out = folder / "result.json"
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-m", "dropless.check.row", "spec.json", "result.json"],
+                                cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            log, _ = proc.communicate(timeout=args.timeout)
+            died = f"the row's process exited with status {proc.returncode}" if proc.returncode else ""
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)  # the row's process group: its torchrun children too
+            log, _ = proc.communicate()
+            died = f"the row ran past --timeout {args.timeout:.0f} s"
+        r = json.loads(out.read_text()) if out.exists() else {"status": {}, "notes": {}, "failures": {}, "seconds": {}}
+        for name in stages:
+            if r["status"].get(name, RUNNING) == RUNNING and died:
+                r["status"][name] = "FAIL"
+                r["failures"][name] = {"what": died, "detail": log.decode(errors="replace")[-4000:]}
+                died = ""
+            r["status"].setdefault(name, "-")
+        r["wall_s"] = round(time.perf_counter() - t0, 1)
+        with lock:
+            results[n] = r
+            done[0] += 1
+            fails = [s for s in stages if r["status"][s] == "FAIL"]
+            print(f"[{done[0]:>3}/{len(numbers)}] row {n:>3} {r['wall_s']:>6.1f}s "
+                  f"{'FAIL ' + ','.join(fails) if fails else 'ok':<24} {describe(m, m.rows[n - 1])}", flush=True)
+
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        list(pool.map(one, numbers))
+    return results
+
+
+def table(m: covering.Matrix, results: dict[int, dict[str, Any]], stages: list[str]) -> list[str]:
+    width = {s: max(len(s), 4) for s in stages}
+    lines = ["row  " + " ".join(f"{s:<{width[s]}}" for s in stages) + "  values"]
+    for n in sorted(results):
+        st = results[n]["status"]
+        lines.append(f"{n:>3}  " + " ".join(f"{SHORT[st.get(s, '')]:<{width[s]}}" for s in stages)
+                     + f"  {describe(m, m.rows[n - 1])}")
+    return lines
+
+
+def failures(m: covering.Matrix, results: dict[int, dict[str, Any]]) -> list[str]:
+    lines = []
+    for n in sorted(results):
+        for stage, f in results[n]["failures"].items():
+            lines += ["", f"== row {n} stage {stage}: {f['what']}", f"   values: {describe(m, m.rows[n - 1])}",
+                      f"   set: {' '.join(covering.overrides(m.values(m.rows[n - 1])))}", f["detail"].rstrip()]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    t0 = time.perf_counter()
+    m = covering.generate(args.seed)
+    try:
+        numbers = row_numbers(args.rows, len(m.rows))
+        stages = selection(args.stages.split(",") if args.stages else NAMES)
+    except ValueError as err:
+        print(f"dropless check-matrix: error: {err}", file=sys.stderr)
+        return 2
+    numbers = [n for n in numbers if not ((args.no_ep or args.fast) and is_ep(m.values(m.rows[n - 1])))
+               and not (args.fast and compiles(m.values(m.rows[n - 1])))]
+    problems = check_refused_pairs(m)
+    print("\n".join(header(m, problems)), flush=True)
+    print(f"running {len(numbers)} rows through {len(stages)} stages, {args.jobs} at a time", flush=True)
+    root = Path(tempfile.mkdtemp(prefix="dropless-matrix-")) if args.keep is None else args.keep
+    try:
+        results = run_rows(m, numbers, stages, args, root)
+    finally:
+        if args.keep is None:
+            shutil.rmtree(root, ignore_errors=True)
+    wall = time.perf_counter() - t0
+    print("\n".join(["", *table(m, results, stages), *failures(m, results)]))
+    n_fail = sum(s == "FAIL" for r in results.values() for s in r["status"].values())
+    missed, bad_rows = covering.coverage(m)
+    print(f"\n{n_fail} failures in {sum(any(s == 'FAIL' for s in r['status'].values()) for r in results.values())} "
+          f"of {len(results)} rows; {len(problems)} refusal problems; wall time {wall:.0f} s ({args.jobs} jobs)")
+    if args.json is not None:
+        args.json.write_text(json.dumps({
+            "factors": {f[0].factor: {v.label: list(v.overrides) for v in f} for f in m.factors},
+            "pairs": {"allowed": len(m.allowed), "refused": len(m.refused), "uncovered": len(missed)},
+            "refusal_problems": problems, "wall_s": round(wall, 1), "jobs": args.jobs, "stages": stages,
+            "rows": [{"row": n, "values": describe(m, m.rows[n - 1]),
+                      "overrides": covering.overrides(m.values(m.rows[n - 1])), **results[n]} for n in sorted(results)],
+        }, indent=1))
+    return 1 if n_fail or problems or missed or bad_rows else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
