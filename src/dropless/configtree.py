@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 import tomllib
 import types
 import typing
@@ -63,7 +64,8 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
         short = getattr(cls, "_name", None)
         text = str(err)
         if short and prefix and text.startswith(short + ".") and prefix != short + ".":
-            raise ValueError(prefix[: -len(short) - 1] + text) from None
+            # every mention of the section, not only the first: a combination's message names two fields
+            raise ValueError(re.sub(rf"(?<![\w./]){short}\.", prefix[: -len(short) - 1] + short + ".", text)) from None
         raise
 
 
