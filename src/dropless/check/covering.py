@@ -29,7 +29,7 @@ from ..config import RunConfig, apply_overrides, load_config
 from . import factors as fx
 
 CANDIDATES = 24
-MOVE_LIMIT = 40  # compaction tries to drop rows that alone cover at most this many pairs
+MOVE_LIMIT = 40  # compaction tries to drop the rows that alone cover at most this many pairs
 SEED = 1
 Slot = tuple[int, int]  # (factor index, value index)
 Pair = tuple[Slot, Slot]  # the lower factor index first
@@ -91,10 +91,6 @@ def all_pairs(fs: list[list[fx.Value]]) -> list[Pair]:
             for v in range(len(fs[f])) for w in range(len(fs[g]))]
 
 
-def pairs_of(row: tuple[int, ...]) -> set[Pair]:
-    return {((f, row[f]), (g, row[g])) for f, g in itertools.combinations(range(len(row)), 2)}
-
-
 def classify(fs: list[list[fx.Value]]) -> tuple[list[Pair], dict[Pair, str]]:
     """(allowed pairs, refused pair -> message), each pair validated alone with defaults around it."""
     allowed, refused = [], {}
@@ -122,7 +118,7 @@ def generate(seed: int = SEED) -> Matrix:
     rng = random.Random(seed)
     rows: list[tuple[int, ...]] = []
     while uncovered:
-        best, best_gain = None, 0
+        best, best_gain = None, -1
         start = _start(uncovered)
         for _ in range(CANDIDATES):
             row = _candidate(fs, start, uncovered, refused, expensive, rng)
@@ -145,8 +141,14 @@ def _start(uncovered: set[Pair]) -> Pair:
                key=lambda p: (-count[p[0] if p[1] == slot else p[1]], p))
 
 
+def _forbidden(p: Pair, refused: dict[Pair, str], expensive: set[Pair], uncovered: set[Pair]) -> bool:
+    return p in refused or (p in expensive and p not in uncovered)
+
+
 def _candidate(fs: list[list[fx.Value]], pair: Pair, uncovered: set[Pair], refused: dict[Pair, str],
                expensive: set[Pair], rng: random.Random) -> tuple[int, ...]:
+    """A row from `pair`: each other factor, in a seeded random order, takes the value covering the most
+    uncovered pairs with the values chosen so far (ties: the lower index, so the default)."""
     (f0, v0), (g0, w0) = pair
     chosen = {f0: v0, g0: w0}
     order = [f for f in range(len(fs)) if f not in chosen]
@@ -155,7 +157,7 @@ def _candidate(fs: list[list[fx.Value]], pair: Pair, uncovered: set[Pair], refus
         best_v, best_gain = 0, -1
         for v in range(len(fs[f])):
             pairs = [_pair((g, w), (f, v)) for g, w in chosen.items()]
-            if any(p in refused or (p in expensive and p not in uncovered) for p in pairs):
+            if any(_forbidden(p, refused, expensive, uncovered) for p in pairs):
                 continue
             gain = sum(p in uncovered for p in pairs)
             if gain > best_gain:
@@ -172,8 +174,9 @@ def _candidate(fs: list[list[fx.Value]], pair: Pair, uncovered: set[Pair], refus
 def _compact(fs: list[list[fx.Value]], rows: list[tuple[int, ...]], allowed: set[Pair],
              expensive: set[Pair]) -> list[tuple[int, ...]]:
     """Drop rows whose pairs fit elsewhere: for each row (the last first), move each pair only it
-    covers into another row by changing one or two of that row's values whose pairs other rows also
-    cover, keeping every row valid; keep the change only when all of them fit."""
+    covers into another row by changing that row's cells for the pair, where every pair the change
+    uncovers is covered by a third row and the changed row still validates; drop the row only when
+    all its pairs moved."""
     rows = [list(r) for r in rows]
     r = len(rows) - 1
     while r >= 0 and len(rows) > 1:
@@ -212,6 +215,10 @@ def _place(fs: list[list[fx.Value]], rows: list[list[int]], pair: Pair, count: d
         row[:] = new
         return True
     return False
+
+
+def pairs_of(row: tuple[int, ...]) -> set[Pair]:
+    return {((f, row[f]), (g, row[g])) for f, g in itertools.combinations(range(len(row)), 2)}
 
 
 def _pair(a: Slot, b: Slot) -> Pair:

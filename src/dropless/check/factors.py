@@ -85,11 +85,11 @@ FACTORS: list[tuple[str, dict[str, list[str]]]] = [
     ("compile", {"eager": [], "compile": ["train.compile=true"]}),
     ("grad_accum", {"1": [], "accum2": ["train.grad_accum=2"]}),
     ("layout", {"1proc": [], "ep2": EP2,
-                "ep2-buf-spill": [*BUFFERED, "parallel.ragged_buffer_factor=1.0", "parallel.on_overflow=spill"],
-                "ep2-buf-auto-retry": [*BUFFERED, "parallel.ragged_buffer_factor=auto", "parallel.on_overflow=retry",
-                                       "parallel.dedup=false"],
-                "ep2-hot": [*EP2, "parallel.replicate_hot_experts=1", "parallel.replica_interval=1",
-                            "parallel.overlap_shared=false", "parallel.check_collectives=true"]}),
+                "ep2-buf-spill": [*BUFFERED, "parallel.ragged_buffer_factor=1.0", "parallel.on_overflow=spill",
+                                  "parallel.dedup=false"],
+                "ep2-buf-auto-hot": [*BUFFERED, "parallel.ragged_buffer_factor=auto", "parallel.on_overflow=retry",
+                                     "parallel.replicate_hot_experts=1", "parallel.replica_interval=1",
+                                     "parallel.overlap_shared=false", "parallel.check_collectives=true"]}),
     ("resume_change", {"lr": [], "optimizer": ["stage.resume_optimizer=true"]}),
 ]
 
