@@ -21,7 +21,7 @@ from typing import Callable
 from ..config import RunConfig
 from ..serve.routing_record import RoutingRecord
 from ..train import checkpoint as ckpt
-from . import hf_check
+from . import greedy, hf_check
 from .factors import PRESET
 from .runner import Call, Failed, Refused, Skipped, invoke
 
@@ -128,9 +128,8 @@ def resume_changed(ctx: Ctx) -> None:
         changes.append(f"train.optimizer={OTHER_OPTIMIZER[ctx.cfg.train.optimizer]}")
     if ctx.row_world > 1:
         changes += ["parallel.ep_size=1", "parallel.replicate_hot_experts=0"]
-    ctx.train("--resume", *sets(changes))
-    if ctx.row_world > 1:
         ctx.options["one_process"] = "true"
+    ctx.train("--resume", *sets(changes))
     check_steps(ctx, step)
     resumed = [json.loads(r) for r in (ctx.run / "metrics.jsonl").read_text().splitlines() if "config_changes" in r]
     expect(bool(resumed) and "train.lr" in resumed[-1]["config_changes"], "the lr change is not logged")
@@ -170,7 +169,9 @@ def _prompts() -> list[str]:
 
 
 def generate(ctx: Ctx) -> None:
-    """Greedy tokens with the KV cache equal those of the recompute path (or the cache is refused)."""
+    """Greedy tokens with the KV cache equal those of the recompute path (or the cache is refused).
+    Where the printed texts differ, the tokens are compared through the Python API: a first
+    difference between two logits closer than the paths' noise floor is a tie, not a failure."""
     no_cache = ctx.call("generate", "--run-dir", ctx.run, *_prompts(), "--device", "cpu", "--no-cache").stdout
     expect(no_cache.count("--- [") == len(PROMPTS), f"generate printed {no_cache!r}")
     try:
@@ -178,7 +179,8 @@ def generate(ctx: Ctx) -> None:
     except Refused as r:
         ctx.notes.setdefault("gen", []).append(f"cache refused: {r}")
         return
-    expect(cached == no_cache, f"greedy tokens differ: with the cache {cached!r}, without {no_cache!r}")
+    if cached != no_cache:
+        ctx.notes.setdefault("gen", []).append(greedy.compare(ctx.run, PROMPTS, NEW_TOKENS))
 
 
 def generate_record(ctx: Ctx) -> None:
