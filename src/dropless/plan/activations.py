@@ -251,8 +251,11 @@ def block_bytes(cfg: ModelConfig, batch: int, seq_len: int, bf16: bool, moe: boo
         x = torch.empty(batch, seq_len, cfg.d_model, requires_grad=True)  # the fp32 residual stream
         cos, sin = rotary_tables(seq_len, cfg.d_model // cfg.n_heads, cfg.rope_theta)
 
+        # hash routing looks the experts up by token id: any ids do (the lookup saves nothing)
+        ids = torch.zeros(batch, seq_len, dtype=torch.long) if cfg.moe.router.strategy == "hash" else None
+
         def run(x: torch.Tensor) -> Any:
-            out = block(x, cos, sin)
+            out = block(x, cos, sin, token_ids=ids)
             pack = _current_pack()
             for t in _held_outputs(out):
                 pack(t)
