@@ -10,6 +10,10 @@ then the table (one line per row: a column per stage with ok / refused / FAIL, `
 stage needs is missing, then the row's non-default values) and each failure with its traceback.
 Exits 1 on any FAIL, a refused pair not refused properly, or an allowed pair left uncovered.
 
+Each row's process is forked from this one after it imported what the rows use (torch, the commands,
+transformers, matplotlib: about 5 s of CPU a row would otherwise spend): a row still starts from
+a clean state (nothing ran here but imports and config validation) and a crash is its own.
+
 `--fast`: the one-process rows without a real compile (no EP launch, no inductor build).
 `--no-ep`: leave out the rows that train at world 2. `--keep DIR`: keep the rows' folders there.
 """
@@ -17,22 +21,27 @@ Exits 1 on any FAIL, a refused pair not refused properly, or an allowed pair lef
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import multiprocessing
+import multiprocessing.connection
 import os
 import shutil
-import subprocess
+import signal
 import sys
 import tempfile
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from ..monitor import plots
 from . import covering
 from . import factors as fx
 from .refusals import check_refused_pairs
-from .row import RUNNING
+from .row import RUNNING, run_row
+from .runner import MODULES
 from .stages import NAMES, selection
 
 SHORT = {"ok": "ok", "refused": "ref", "FAIL": "FAIL", "-": "-", "": ""}
@@ -96,48 +105,84 @@ def header(m: covering.Matrix, problems: list[str]) -> list[str]:
     return lines
 
 
+def preload() -> None:
+    """Import what every row imports, once, here: the rows are forked from this process (module note).
+    Only imports: no tensor operation runs here before a fork (an OpenMP pool does not survive one)."""
+    for name in ["dropless.check.row", *MODULES.values(), "dropless.serve.packed", "dropless.hf.mapping"]:
+        importlib.import_module(name)
+    try:
+        plots.pyplot()
+        import transformers  # noqa: F401  (its model classes load lazily: the three families here)
+        from transformers.models.deepseek_v3 import modeling_deepseek_v3  # noqa: F401
+        from transformers.models.mixtral import modeling_mixtral  # noqa: F401
+        from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: F401
+    except ImportError:
+        pass  # the stages that need them say so
+
+
+def _row_process(spec: dict[str, Any], folder: Path) -> None:
+    """The forked child: its own session (a timeout kills its torchrun children too), its folder, its
+    output in log.txt, one thread."""
+    os.setsid()
+    os.chdir(folder)
+    fd = os.open(folder / "log.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.update(OMP_NUM_THREADS="1", DROPLESS_FILL_UNINITIALIZED="1")
+    torch.set_num_threads(1)
+    run_row(spec, folder, folder / "result.json")
+
+
 def run_rows(m: covering.Matrix, numbers: list[int], stages: list[str], args: argparse.Namespace,
              root: Path) -> dict[int, dict[str, Any]]:
+    """Each row in a process forked from this one, `args.jobs` at a time; a progress line as each ends."""
+    fork = multiprocessing.get_context("fork")
     results: dict[int, dict[str, Any]] = {}
-    lock, done = threading.Lock(), [0]
-    env = dict(os.environ, OMP_NUM_THREADS="1", DROPLESS_FILL_UNINITIALIZED="1")
-
-    def one(n: int) -> None:
-        values = m.values(m.rows[n - 1])
-        folder = root / f"row-{n:03d}"
-        folder.mkdir(parents=True)
-        spec = {"overrides": covering.overrides(values), "options": fx.stage_options(values), "stages": stages}
-        (folder / "spec.json").write_text(json.dumps(spec, indent=1))
-        out = folder / "result.json"
-        t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "dropless.check.row", "spec.json", "result.json"],
-                                cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            log, _ = proc.communicate(timeout=args.timeout)
-            died = f"the row's process exited with status {proc.returncode}" if proc.returncode else ""
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)  # the row's process group: its torchrun children too
-            log, _ = proc.communicate()
-            died = f"the row ran past --timeout {args.timeout:.0f} s"
-        r = json.loads(out.read_text()) if out.exists() else {"status": {}, "notes": {}, "failures": {}, "seconds": {}}
-        for name in stages:
-            if r["status"].get(name, RUNNING) == RUNNING and died:
-                r["status"][name] = "FAIL"
-                r["failures"][name] = {"what": died, "detail": log.decode(errors="replace")[-4000:]}
-                died = ""
-            r["status"].setdefault(name, "-")
-        r["wall_s"] = round(time.perf_counter() - t0, 1)
-        with lock:
-            results[n] = r
-            done[0] += 1
-            fails = [s for s in stages if r["status"][s] == "FAIL"]
-            print(f"[{done[0]:>3}/{len(numbers)}] row {n:>3} {r['wall_s']:>6.1f}s "
+    pending, running = list(numbers), {}
+    while pending or running:
+        while pending and len(running) < max(1, args.jobs):
+            n = pending.pop(0)
+            values = m.values(m.rows[n - 1])
+            folder = root / f"row-{n:03d}"
+            folder.mkdir(parents=True)
+            spec = {"overrides": covering.overrides(values), "options": fx.stage_options(values), "stages": stages}
+            (folder / "spec.json").write_text(json.dumps(spec, indent=1))
+            proc = fork.Process(target=_row_process, args=(spec, folder), daemon=False)
+            proc.start()
+            running[n] = (proc, time.perf_counter(), folder)
+        multiprocessing.connection.wait([p.sentinel for p, _, _ in running.values()], timeout=1.0)
+        for n, (proc, t0, folder) in list(running.items()):
+            late = time.perf_counter() - t0 > args.timeout
+            if proc.is_alive() and not late:
+                continue
+            died = ""
+            if late:
+                os.killpg(proc.pid, signal.SIGKILL)  # the row's session: its torchrun children too
+                died = f"the row ran past --timeout {args.timeout:.0f} s"
+            proc.join()
+            if not died and proc.exitcode:
+                died = f"the row's process exited with status {proc.exitcode}"
+            del running[n]
+            results[n] = _collect(folder, stages, died, time.perf_counter() - t0)
+            fails = [s for s in stages if results[n]["status"][s] == "FAIL"]
+            print(f"[{len(results):>3}/{len(numbers)}] row {n:>3} {results[n]['wall_s']:>6.1f}s "
                   f"{'FAIL ' + ','.join(fails) if fails else 'ok':<24} {describe(m, m.rows[n - 1])}", flush=True)
-
-    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        list(pool.map(one, numbers))
     return results
+
+
+def _collect(folder: Path, stages: list[str], died: str, wall: float) -> dict[str, Any]:
+    """The row's result.json, with the stage that was running marked as the failure if it died."""
+    out = folder / "result.json"
+    r = json.loads(out.read_text()) if out.exists() else {"status": {}, "notes": {}, "failures": {}, "seconds": {}}
+    log = (folder / "log.txt").read_text(errors="replace") if (folder / "log.txt").exists() else ""
+    for name in stages:
+        if r["status"].get(name, RUNNING) == RUNNING and died:
+            r["status"][name] = "FAIL"
+            r["failures"][name] = {"what": died, "detail": log[-4000:]}
+            died = ""
+        r["status"].setdefault(name, "-")
+    r["wall_s"] = round(wall, 1)
+    return r
 
 
 def table(m: covering.Matrix, results: dict[int, dict[str, Any]], stages: list[str]) -> list[str]:
@@ -172,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     numbers = [n for n in numbers if not ((args.no_ep or args.fast) and is_ep(m.values(m.rows[n - 1])))
                and not (args.fast and compiles(m.values(m.rows[n - 1])))]
     problems = check_refused_pairs(m)
+    preload()
     print("\n".join(header(m, problems)), flush=True)
     print(f"running {len(numbers)} rows through {len(stages)} stages, {args.jobs} at a time", flush=True)
     root = Path(tempfile.mkdtemp(prefix="dropless-matrix-")) if args.keep is None else args.keep
