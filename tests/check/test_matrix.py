@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from dropless import cli
-from dropless.check import covering, runner
+from dropless.check import covering, hf_check, runner
+from dropless.config import apply_overrides
 from dropless.check import factors as fx
 from dropless.check.refusals import check_refused_pairs
 from dropless.check.row import run_row
@@ -21,6 +22,15 @@ from dropless.check.stages import NAMES
 @pytest.fixture(scope="module")
 def matrix() -> covering.Matrix:
     return covering.generate()
+
+
+def test_family_rows_are_their_family() -> None:
+    fs = fx.factors()
+    for family in fx.FAMILY_ROWS:
+        values = [fs[f][v] for f, v in enumerate(fx.family_row(family))]
+        assert covering.refusal(values) is None
+        cfg = apply_overrides(covering.base_config(), covering.overrides(values))
+        assert hf_check.family(cfg.model) == family
 
 
 def test_factor_table_is_one_line_per_knob() -> None:
@@ -107,14 +117,17 @@ def _row(**labels: str) -> list[str]:
 ALL_OK = {s: "ok" for s in NAMES}
 # (row values, the stages refused; every other stage ok). The refusals are the row's own: expert
 # choice depends on the batch (no KV cache, no record of ids, no replay), serves no other top_k, and
-# no HF family has it.
+# no HF family has it; a norm_top_k run cannot replay a record (its denominator is not in one), and
+# no family has an expert bias with softmax scores.
 ROWS = {
     "defaults": ({}, {}),
-    "expert_choice": (dict(strategy="expert_choice", score="sigmoid", shared="shared1", precision="mxfp8"),
+    "expert_choice": (dict(strategy="expert_choice", score="sigmoid", shared="shared1", activation="geglu",
+                           tied="untied"),
                       {"serve": "refused", "gen-rec": "refused", "record": "refused", "export": "refused",
                        "import": "-", "replay": "-"}),
-    "top1 knobs": (dict(top_k="k1", weights="norm_top_k3", activation="geglu", optimizer="muon",
-                        layers="dense-prefix1", tied="untied", offload="experts"), {"export": "refused", "import": "-"}),
+    "top1 knobs": (dict(top_k="k1", weights="norm_top_k3", balance="bias-sign", optimizer="muon",
+                        layers="dense-prefix1", offload="experts"),
+                   {"export": "refused", "import": "-", "replay": "refused"}),
 }
 
 

@@ -93,6 +93,19 @@ FACTORS: list[tuple[str, dict[str, list[str]]]] = [
     ("resume_change", {"lr": [], "optimizer": ["stage.resume_optimizer=true"]}),
 ]
 
+# Rows each Hugging Face family can express, run after the covering rows: a pairwise row almost never
+# is one (Qwen3-MoE needs q/k norms, DeepSeek-V3 MLA, sigmoid scores, the expert bias and shared experts
+# at once, and any one of a dozen knobs rules all three out), so without these export-hf would only
+# ever be refused. Each lists its non-default values.
+FAMILY_ROWS = {
+    "mixtral": {"top_k": "k=E", "balance": "seq+global-aux", "tied": "untied", "precision": "mxfp8",
+                "optimizer": "muon", "layout": "ep2"},
+    "qwen3_moe": {"attention": "head_dim24+qk_norm", "layers": "dense-prefix1", "top_k": "k1", "mtp": "mtp1",
+                  "recompute": "attn+norm", "dtype": "bf16"},
+    "deepseek_v3": {"attention": "mla", "score": "sigmoid", "balance": "bias-adaptive-warm", "shared": "shared1",
+                    "groups": "groups2/1", "weights": "scale2.5", "layers": "dense-prefix1", "grad_accum": "accum2"},
+}
+
 # Pairs the generator puts in as few rows as it can (once each): a real inductor compile costs about
 # 100 s of CPU on a 2-core runner; with train.dtype=fp32 compile stays eager (train/compiling.py), so the
 # other rows with `compile` run its fallback path.
@@ -125,6 +138,13 @@ class Value:
     def fields(self) -> tuple[str, ...]:
         """The dotted config fields this value sets (stage options excluded)."""
         return tuple(o.split("=", 1)[0] for o in self.overrides if not o.startswith("stage."))
+
+
+def family_row(family: str) -> tuple[int, ...]:
+    """FAMILY_ROWS[family] as value indices, one per factor."""
+    labels = FAMILY_ROWS[family]
+    return tuple(next(i for i, v in enumerate(f) if v.label == labels.get(f[0].factor, f[0].label))
+                 for f in factors())
 
 
 def factors() -> list[list[Value]]:

@@ -83,8 +83,18 @@ def compiles(values: list[fx.Value]) -> bool:
     return any(a in labels and b in labels for a, b in fx.EXPENSIVE)
 
 
-def describe(m: covering.Matrix, row: tuple[int, ...]) -> str:
-    return " ".join(v.label for v in m.values(row) if v != m.factors[covering_index(m, v)][0]) or "(defaults)"
+Rows = list[tuple[tuple[int, ...], str]]  # (a value index per factor, "" or "hf:FAMILY")
+
+
+def all_rows(m: covering.Matrix) -> Rows:
+    """The covering rows, then one row per Hugging Face family (factors.FAMILY_ROWS)."""
+    return [(r, "") for r in m.rows] + [(fx.family_row(f), f"hf:{f}") for f in fx.FAMILY_ROWS]
+
+
+def describe(m: covering.Matrix, rows: Rows, n: int) -> str:
+    row, name = rows[n - 1]
+    labels = " ".join(v.label for v in m.values(row) if v != m.factors[covering_index(m, v)][0])
+    return " ".join(x for x in (f"[{name}]" if name else "", labels) if x) or "(defaults)"
 
 
 def covering_index(m: covering.Matrix, v: fx.Value) -> int:
@@ -95,7 +105,8 @@ def header(m: covering.Matrix, problems: list[str]) -> list[str]:
     lines = [f"factors ({len(m.factors)}; the first value is the default):"]
     lines += [f"  {f[0].factor:<14} {', '.join(v.label for v in f)}" for f in m.factors]
     missed, bad_rows = covering.coverage(m)
-    lines.append(f"rows: {len(m.rows)} ({sum(is_ep(m.values(r)) for r in m.rows)} at world 2); pairs: "
+    lines.append(f"rows: {len(m.rows)} covering ({sum(is_ep(m.values(r)) for r in m.rows)} at world 2), then "
+                 f"{len(fx.FAMILY_ROWS)} Hugging Face family rows; pairs: "
                  f"{len(m.allowed) + len(m.refused)}, {len(m.allowed) - len(missed)} covered, "
                  f"{len(m.refused)} refused by validation, {len(missed)} uncovered; rows refused whole: "
                  f"{len(bad_rows)}")
@@ -133,7 +144,7 @@ def _row_process(spec: dict[str, Any], folder: Path) -> None:
     run_row(spec, folder, folder / "result.json")
 
 
-def run_rows(m: covering.Matrix, numbers: list[int], stages: list[str], args: argparse.Namespace,
+def run_rows(m: covering.Matrix, rows: Rows, numbers: list[int], stages: list[str], args: argparse.Namespace,
              root: Path) -> dict[int, dict[str, Any]]:
     """Each row in a process forked from this one, `args.jobs` at a time; a progress line as each ends."""
     fork = multiprocessing.get_context("fork")
@@ -142,7 +153,7 @@ def run_rows(m: covering.Matrix, numbers: list[int], stages: list[str], args: ar
     while pending or running:
         while pending and len(running) < max(1, args.jobs):
             n = pending.pop(0)
-            values = m.values(m.rows[n - 1])
+            values = m.values(rows[n - 1][0])
             folder = root / f"row-{n:03d}"
             folder.mkdir(parents=True)
             spec = {"overrides": covering.overrides(values), "options": fx.stage_options(values), "stages": stages}
@@ -166,7 +177,7 @@ def run_rows(m: covering.Matrix, numbers: list[int], stages: list[str], args: ar
             results[n] = _collect(folder, stages, died, time.perf_counter() - t0)
             fails = [s for s in stages if results[n]["status"][s] == "FAIL"]
             print(f"[{len(results):>3}/{len(numbers)}] row {n:>3} {results[n]['wall_s']:>6.1f}s "
-                  f"{'FAIL ' + ','.join(fails) if fails else 'ok':<24} {describe(m, m.rows[n - 1])}", flush=True)
+                  f"{'FAIL ' + ','.join(fails) if fails else 'ok':<24} {describe(m, rows, n)}", flush=True)
     return results
 
 
@@ -185,22 +196,22 @@ def _collect(folder: Path, stages: list[str], died: str, wall: float) -> dict[st
     return r
 
 
-def table(m: covering.Matrix, results: dict[int, dict[str, Any]], stages: list[str]) -> list[str]:
+def table(m: covering.Matrix, rows: Rows, results: dict[int, dict[str, Any]], stages: list[str]) -> list[str]:
     width = {s: max(len(s), 4) for s in stages}
     lines = ["row  " + " ".join(f"{s:<{width[s]}}" for s in stages) + "  values"]
     for n in sorted(results):
         st = results[n]["status"]
         lines.append(f"{n:>3}  " + " ".join(f"{SHORT[st.get(s, '')]:<{width[s]}}" for s in stages)
-                     + f"  {describe(m, m.rows[n - 1])}")
+                     + f"  {describe(m, rows, n)}")
     return lines
 
 
-def failures(m: covering.Matrix, results: dict[int, dict[str, Any]]) -> list[str]:
+def failures(m: covering.Matrix, rows: Rows, results: dict[int, dict[str, Any]]) -> list[str]:
     lines = []
     for n in sorted(results):
         for stage, f in results[n]["failures"].items():
-            lines += ["", f"== row {n} stage {stage}: {f['what']}", f"   values: {describe(m, m.rows[n - 1])}",
-                      f"   set: {' '.join(covering.overrides(m.values(m.rows[n - 1])))}", f["detail"].rstrip()]
+            lines += ["", f"== row {n} stage {stage}: {f['what']}", f"   values: {describe(m, rows, n)}",
+                      f"   set: {' '.join(covering.overrides(m.values(rows[n - 1][0])))}", f["detail"].rstrip()]
     return lines
 
 
@@ -208,26 +219,27 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     t0 = time.perf_counter()
     m = covering.generate(args.seed)
+    rows = all_rows(m)
     try:
-        numbers = row_numbers(args.rows, len(m.rows))
+        numbers = row_numbers(args.rows, len(rows))
         stages = selection(args.stages.split(",") if args.stages else NAMES)
     except ValueError as err:
         print(f"dropless check-matrix: error: {err}", file=sys.stderr)
         return 2
-    numbers = [n for n in numbers if not ((args.no_ep or args.fast) and is_ep(m.values(m.rows[n - 1])))
-               and not (args.fast and compiles(m.values(m.rows[n - 1])))]
+    numbers = [n for n in numbers if not ((args.no_ep or args.fast) and is_ep(m.values(rows[n - 1][0])))
+               and not (args.fast and compiles(m.values(rows[n - 1][0])))]
     problems = check_refused_pairs(m)
     preload()
     print("\n".join(header(m, problems)), flush=True)
     print(f"running {len(numbers)} rows through {len(stages)} stages, {args.jobs} at a time", flush=True)
     root = Path(tempfile.mkdtemp(prefix="dropless-matrix-")) if args.keep is None else args.keep
     try:
-        results = run_rows(m, numbers, stages, args, root)
+        results = run_rows(m, rows, numbers, stages, args, root)
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)
     wall = time.perf_counter() - t0
-    print("\n".join(["", *table(m, results, stages), *failures(m, results)]))
+    print("\n".join(["", *table(m, rows, results, stages), *failures(m, rows, results)]))
     n_fail = sum(s == "FAIL" for r in results.values() for s in r["status"].values())
     missed, bad_rows = covering.coverage(m)
     print(f"\n{n_fail} failures in {sum(any(s == 'FAIL' for s in r['status'].values()) for r in results.values())} "
@@ -237,8 +249,8 @@ def main(argv: list[str] | None = None) -> int:
             "factors": {f[0].factor: {v.label: list(v.overrides) for v in f} for f in m.factors},
             "pairs": {"allowed": len(m.allowed), "refused": len(m.refused), "uncovered": len(missed)},
             "refusal_problems": problems, "wall_s": round(wall, 1), "jobs": args.jobs, "stages": stages,
-            "rows": [{"row": n, "values": describe(m, m.rows[n - 1]),
-                      "overrides": covering.overrides(m.values(m.rows[n - 1])), **results[n]} for n in sorted(results)],
+            "rows": [{"row": n, "values": describe(m, rows, n),
+                      "overrides": covering.overrides(m.values(rows[n - 1][0])), **results[n]} for n in sorted(results)],
         }, indent=1))
     return 1 if n_fail or problems or missed or bad_rows else 0
 

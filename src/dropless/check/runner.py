@@ -14,6 +14,7 @@ descriptors) are all kept. A call ends in one of three ways:
 from __future__ import annotations
 
 import importlib
+import io
 import os
 import re
 import sys
@@ -70,18 +71,22 @@ MODULES = {
 
 @contextmanager
 def captured(out: Path, err: Path) -> Iterator[None]:
-    """fds 1 and 2 (and sys.stdout/stderr above them) into `out` and `err` while the block runs."""
+    """fds 1 and 2 into `out` and `err` while the block runs (a child process's output, C++ warnings),
+    and sys.stdout/stderr with them: whoever runs us may have replaced those (pytest does)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
+    saved, streams = (os.dup(1), os.dup(2)), (sys.stdout, sys.stderr)
     with open(out, "wb") as fo, open(err, "wb") as fe:
         os.dup2(fo.fileno(), 1)
         os.dup2(fe.fileno(), 2)
+        sys.stdout, sys.stderr = (io.TextIOWrapper(os.fdopen(os.dup(fd), "wb"), encoding="utf-8", errors="replace",
+                                                   line_buffering=True) for fd in (1, 2))
         try:
             yield
         finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
+            for stream in (sys.stdout, sys.stderr):
+                stream.close()
+            sys.stdout, sys.stderr = streams
             os.dup2(saved[0], 1)
             os.dup2(saved[1], 2)
             os.close(saved[0])

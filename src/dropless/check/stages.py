@@ -5,6 +5,8 @@ checkpoints at the expected step, finite losses, equal greedy tokens with and wi
 records and reports that load. A stage is `ok`, `refused` (every call it made was refused with a
 field named, nothing written) or a failure; a stage whose inputs are missing (`needs`) is not run.
 A stage with several calls is ok when at least one call worked and the others were refused.
+A command that only loads the model (all but train and plan) refusing over a field that only changes
+how a run trains (model.recompute, model.offload, parallel.*) is a failure, not a refusal.
 
 Sizes: 2 training steps, then one more per resume; generation of 8 tokens from two prompts of
 different lengths (prompt + new tokens stay inside model.max_seq_len = 32).
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -26,6 +29,9 @@ from .factors import PRESET
 from .runner import Call, Failed, Refused, Skipped, invoke
 
 PROMPTS = ["def ", "import os\n"]
+# fields that change how a run trains, never what its model computes: a command that only loads the
+# model (evaluate, generate, quantize, export, ...) has no reason to refuse over them
+TRAINING_ONLY = re.compile(r"(?<![\w.])(model\.recompute|model\.offload|parallel\.[a-z_]+)")
 NEW_TOKENS = 8
 OTHER_OPTIMIZER = {"adamw": "muon", "adamw_bf16": "adamw", "muon": "adamw"}
 
@@ -54,7 +60,14 @@ class Ctx:
         return 1 if self.options.get("one_process") else self.row_world
 
     def call(self, command: str, *argv: str) -> Call:
-        return invoke(command, [str(a) for a in argv], self.root)
+        try:
+            return invoke(command, [str(a) for a in argv], self.root)
+        except Refused as r:
+            training_only = TRAINING_ONLY.search(str(r))
+            if command not in ("train", "plan") and training_only:
+                raise Failed(f"dropless {command} refused over {training_only[0]}, which only changes how a run "
+                             f"trains: {r}") from None
+            raise
 
     def train(self, *argv: str) -> Call:
         nproc = ["--nproc", str(self.world)] if self.world > 1 else []
