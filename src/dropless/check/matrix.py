@@ -250,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
             "pairs": {"allowed": len(m.allowed), "refused": len(m.refused), "uncovered": len(missed)},
             "refusal_problems": problems, "wall_s": round(wall, 1), "jobs": args.jobs, "stages": stages,
             "rows": [{"row": n, "values": describe(m, rows, n),
-                      "overrides": covering.overrides(m.values(rows[n - 1][0])), **results[n]} for n in sorted(results)],
+                      "overrides": covering.overrides(m.values(rows[n - 1][0])), **results[n]}
+                     for n in sorted(results)],
         }, indent=1))
     return 1 if n_fail or problems or missed or bad_rows else 0
 
