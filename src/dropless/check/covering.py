@@ -6,14 +6,16 @@ default) is refused by validation; the refusal must be a ValueError naming a fie
 (`refusal_names_both`). Every other pair is *allowed* and must be covered by an accepted row: a row
 refused as a whole (three or more values that refuse together) covers nothing and is never emitted.
 
-Generator: greedy, AETG-style, deterministic for a seed. Each new row is the best of `CANDIDATES`
-candidates; a candidate starts from an uncovered pair, takes the factors in a seeded random order and
-gives each the value that covers the most uncovered pairs with the values already chosen (ties: the
-lower index, so the default), never a value that forms a refused pair with one already chosen, nor
-an expensive pair that is covered already (factors.EXPENSIVE). A candidate that validation refuses is
-repaired by setting its later factors back to their defaults, one at a time, until it validates; the
-starting pair alone with defaults validates by definition, so every row covers at least that pair and
-the loop ends. `coverage` re-checks the result from scratch: tests/check/test_matrix.py is the proof.
+Generator: greedy, AETG-style, deterministic for a seed. Each new row starts from the uncovered pair of
+the value left in the most uncovered pairs (with its most-needed partner); of `CANDIDATES` candidates
+(each takes the other factors in a seeded random order and gives each the value that covers the most
+uncovered pairs with the values already chosen; ties: the lower index, so the default) the one
+covering most is kept. A value never joins one it forms a refused pair with, nor an expensive pair
+that is covered already (factors.EXPENSIVE). A candidate that validation refuses is repaired by
+setting its later factors back to their defaults, one at a time, until it validates; the starting
+pair alone with defaults validates by definition, so every row covers at least that pair and the
+loop ends. Then `_compact` drops the rows whose few own pairs fit into other rows. `coverage`
+re-checks the result from scratch: tests/check/test_matrix.py is the proof.
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@
 Prints the factors (factors.py), the number of rows and of pairs (covered / refused), checks every
 refused pair through `dropless train` (refusals.py), then runs each row through the stages
 (stages.py), one process per row (row.py), `--jobs` rows at a time, with a progress line per row;
-then the table (one line per row: a column per stage with ok / refused / FAIL, `-` where what the
+then the table (one line per row: a column per stage with ok / ref(used) / FAIL, `-` where what the
 stage needs is missing, then the row's non-default values) and each failure with its traceback.
+After the covering rows come one row per Hugging Face family (factors.FAMILY_ROWS), numbered on.
 Exits 1 on any FAIL, a refused pair not refused properly, or an allowed pair left uncovered.
 
 Each row's process is forked from this one after it imported what the rows use (torch, the commands,
@@ -198,7 +199,9 @@ def _collect(folder: Path, stages: list[str], died: str, wall: float) -> dict[st
 
 def table(m: covering.Matrix, rows: Rows, results: dict[int, dict[str, Any]], stages: list[str]) -> list[str]:
     width = {s: max(len(s), 4) for s in stages}
-    lines = ["row  " + " ".join(f"{s:<{width[s]}}" for s in stages) + "  values"]
+    lines = ["ok: worked, output checked; ref: refused with a ValueError naming the field, nothing written; "
+             "-: not run (what it needs was not ok)",
+             "row  " + " ".join(f"{s:<{width[s]}}" for s in stages) + "  values"]
     for n in sorted(results):
         st = results[n]["status"]
         lines.append(f"{n:>3}  " + " ".join(f"{SHORT[st.get(s, '')]:<{width[s]}}" for s in stages)
