@@ -121,16 +121,19 @@ LEFT_OUT = {
     "model.recompute shared_experts / full": "shared_experts needs shared experts (a value may not depend on "
                                              "another factor's); full is an alias of layer",
     "model.offload layer": "overlaps every recompute value; the inner scopes cover its hooks",
-    "data.tokenizer hf": "needs a tokenizer.json built for the run (the export stage copies none for bytes)",
-    "router max_experts_per_token, expert_capacity_factor, threshold_momentum": "strategy parameters at their "
-                                                                               "defaults",
-    "train schedule, warmup, lr, betas, weight_decay, grad_clip": "the trainer's numbers, not a model, "
-                                                                  "routing, layout, precision or memory knob",
-    "model.init_std, norm_eps, rope_theta, vocab_size, d_ff_dense": "numbers with no code path of their own",
+    "data.tokenizer hf": "needs a tokenizer.json built for the run (the import stage writes one for the export)",
+    "router expert_capacity_factor, threshold_momentum, max_experts_per_token": "strategy parameters, at their "
+                                                                                "defaults",
+    "balance z_loss_coeff": "on (its default) in every row",
+    "rope_yarn beta_fast, beta_slow, mscale, mscale_all_dim": "YaRN's shape parameters, at their defaults",
+    "train schedule, warmup, lr, betas, weight_decay, grad_clip, seed": "the trainer's numbers, not a model, "
+                                                                         "routing, layout, precision or memory knob",
+    "model.init_std, norm_eps, rope_theta, vocab_size, d_ff_dense, n_layers": "numbers with no code path of "
+                                                                              "their own",
     "parallel.max_tokens_per_rank, collective_timeout_s, a2a_alarm_ratio, retry_on_overflow": "bounds and "
-        "alarms of the EP values' paths (on_overflow supersedes retry_on_overflow)",
-    "ep_size 4 / FSDP over 4 ranks": "CI has 2 cores: EP rows run at world 2",
-    "train.deterministic, device cuda": "the CPU CI runs deterministic CPU training",
+        "alarms on the EP values' paths (on_overflow supersedes retry_on_overflow)",
+    "world 2 without EP (ep_size 1), ep_size 4": "CI has 2 cores: the EP rows are the world-2 rows",
+    "train.device cuda, train.deterministic": "the CPU CI trains deterministically on the CPU",
 }
 
 

@@ -105,6 +105,7 @@ def covering_index(m: covering.Matrix, v: fx.Value) -> int:
 def header(m: covering.Matrix, problems: list[str]) -> list[str]:
     lines = [f"factors ({len(m.factors)}; the first value is the default):"]
     lines += [f"  {f[0].factor:<14} {', '.join(v.label for v in f)}" for f in m.factors]
+    lines.append(f"left out (factors.LEFT_OUT says why): {'; '.join(fx.LEFT_OUT)}")
     missed, bad_rows = covering.coverage(m)
     lines.append(f"rows: {len(m.rows)} covering ({sum(is_ep(m.values(r)) for r in m.rows)} at world 2), then "
                  f"{len(fx.FAMILY_ROWS)} Hugging Face family rows; pairs: "
