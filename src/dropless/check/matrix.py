@@ -112,6 +112,8 @@ def header(m: covering.Matrix, problems: list[str]) -> list[str]:
                  f"{len(m.allowed) + len(m.refused)}, {len(m.allowed) - len(missed)} covered, "
                  f"{len(m.refused)} refused by validation, {len(missed)} uncovered; rows refused whole: "
                  f"{len(bad_rows)}")
+    lines.append("refused pairs (validation's message names a field of each):")
+    lines += [f"  {a.factor}={a.label} + {b.factor}={b.label}: {msg}" for a, b, msg in refused_pairs(m)]
     lines.append(f"refused pairs through dropless train: {len(m.refused) - len(problems)} refused properly"
                  + (f", {len(problems)} problems:" if problems else ""))
     lines += [f"  {p}" for p in problems]
@@ -144,6 +146,10 @@ def _row_process(spec: dict[str, Any], folder: Path) -> None:
     os.environ.update(OMP_NUM_THREADS="1", DROPLESS_FILL_UNINITIALIZED="1")
     torch.set_num_threads(1)
     run_row(spec, folder, folder / "result.json")
+
+
+def refused_pairs(m: covering.Matrix) -> list[tuple[fx.Value, fx.Value, str]]:
+    return [(*m.pair_values(p), msg) for p, msg in sorted(m.refused.items())]
 
 
 def run_rows(m: covering.Matrix, rows: Rows, numbers: list[int], stages: list[str], args: argparse.Namespace,
@@ -252,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({
             "factors": {f[0].factor: {v.label: list(v.overrides) for v in f} for f in m.factors},
             "pairs": {"allowed": len(m.allowed), "refused": len(m.refused), "uncovered": len(missed)},
+            "refused_pairs": [[f"{a.factor}={a.label}", f"{b.factor}={b.label}", msg]
+                              for a, b, msg in refused_pairs(m)],
             "refusal_problems": problems, "wall_s": round(wall, 1), "jobs": args.jobs, "stages": stages,
             "rows": [{"row": n, "values": describe(m, rows, n),
                       "overrides": covering.overrides(m.values(rows[n - 1][0])), **results[n]}
