@@ -327,3 +327,19 @@ def test_settled_bytes_waits_for_a_thread_that_still_holds_a_storage() -> None:
     assert alive.settled_bytes() == 4000
     th.join()
     assert kept.numel() == 1000
+
+
+def test_auto_buffers_plan_as_their_starting_size() -> None:
+    """ragged_buffer_factor="auto" starts at ep.AUTO_START_FACTOR until the first overflow check."""
+    from dropless.distributed.ep import AUTO_START_FACTOR
+
+    ep = ["parallel.ep_size=2", "parallel.ep_mode=buffered"]
+    auto = plan(small(*ep, "parallel.ragged_buffer_factor=auto"), 2)
+    assert auto == plan(small(*ep, f"parallel.ragged_buffer_factor={AUTO_START_FACTOR}"), 2)
+
+
+def test_hash_routing_plans() -> None:
+    """The planner runs the block with token ids, which hash routing looks its experts up by."""
+    hashed = plan(small("model.moe.router.strategy=hash"), 1)
+    assert hashed.activations > 0 and hashed.peak > 0
+

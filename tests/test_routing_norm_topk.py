@@ -133,11 +133,11 @@ def test_larger_k2_shrinks_the_kept_weights() -> None:
 
 
 @pytest.mark.parametrize("router,top_k,match", [
-    (RouterConfig(norm_top_k=1), 2, r"norm_top_k=1: is below top_k=2"),
-    (RouterConfig(norm_top_k=9), 2, r"norm_top_k=9: exceeds num_experts=8"),
+    (RouterConfig(norm_top_k=1), 2, r"norm_top_k=1: is below moe\.top_k=2"),
+    (RouterConfig(norm_top_k=9), 2, r"norm_top_k=9: exceeds moe\.num_experts=8"),
     (RouterConfig(norm_top_k=0), 1, r"norm_top_k=0"),
     (RouterConfig(norm_top_k=5, n_groups=4, topk_groups=2), 2, r"norm_top_k=5: exceeds the 4 experts"),
-    (RouterConfig(norm_top_k=4, strategy="hash"), 2, r"norm_top_k=4: only acts with strategy='token_choice'"),
+    (RouterConfig(norm_top_k=4, strategy="hash"), 2, r"norm_top_k=4: only acts with moe\.router\.strategy='token_choice'"),
     (RouterConfig(norm_top_k=4, strategy="expert_choice"), 2, r"norm_top_k=4: only acts"),
     (RouterConfig(norm_top_k=4, renormalize=False), 2, r"norm_top_k=4: needs normalised weights"),
     (RouterConfig(norm_top_k=4, score_func="sigmoid", renormalize=False), 2, r"norm_top_k=4: needs normalised weights.*raw sigmoid scores"),

@@ -6,7 +6,9 @@ Kept apart from the tree itself (config.py) so that file reads as the list of wh
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import re
 import tomllib
 import types
 import typing
@@ -37,6 +39,7 @@ def _resolve_type(tp: Any) -> Any:
     return tp, False
 
 
+@functools.cache  # resolving the annotations is most of the time of validating a config
 def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
@@ -61,7 +64,8 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
         short = getattr(cls, "_name", None)
         text = str(err)
         if short and prefix and text.startswith(short + ".") and prefix != short + ".":
-            raise ValueError(prefix[: -len(short) - 1] + text) from None
+            # every mention of the section, not only the first: a combination's message names two fields
+            raise ValueError(re.sub(rf"(?<![\w./]){short}\.", prefix[: -len(short) - 1] + short + ".", text)) from None
         raise
 
 

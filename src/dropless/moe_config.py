@@ -53,7 +53,12 @@ class RouterConfig:
     # Set, it normalises even over one expert (weight = scaling_factor, no router gradient).
     norm_top_k: Optional[int] = None
 
-    def validate(self, prefix: str, num_experts: int, top_k: int) -> None:
+    def validate(self, prefix: str, num_experts: int, top_k: int, experts: str = "") -> None:
+        """`num_experts`: what the router chooses among; `experts` names where that count comes from
+        (default: the sibling field num_experts), so a message names both fields of a combination."""
+        moe = prefix.rpartition(".")[0]  # the MoE section around the router: its top_k, num_experts
+        moe = f"{moe}." if moe else ""
+        experts = experts or f"{moe}num_experts={num_experts}"
         _choice(f"{prefix}.score_func", self.score_func, SCORE_FUNCS)
         _choice(f"{prefix}.strategy", self.strategy, STRATEGIES)
         if not self.expert_capacity_factor > 0:
@@ -63,50 +68,50 @@ class RouterConfig:
         if self.max_experts_per_token is not None:
             _positive(f"{prefix}.max_experts_per_token", self.max_experts_per_token)
             if self.max_experts_per_token > num_experts:
-                _fail(f"{prefix}.max_experts_per_token", self.max_experts_per_token,
-                      f"exceeds num_experts={num_experts}")
+                _fail(f"{prefix}.max_experts_per_token", self.max_experts_per_token, f"exceeds {experts}")
         _positive(f"{prefix}.hash_buckets", self.hash_buckets)
         if self.use_expert_bias and self.strategy != "token_choice":
             # The bias only enters token-choice top-k: expert choice is balanced by construction,
             # expert_threshold's thresholds already are per-expert biases, hash and forced_balance
             # ignore the router's choice. A bias there would be a buffer that silently does nothing.
             _fail(f"{prefix}.use_expert_bias", self.use_expert_bias,
-                  f"only acts with strategy='token_choice' (got {self.strategy!r})")
+                  f"only acts with {prefix}.strategy='token_choice' (got {self.strategy!r})")
         _positive(f"{prefix}.n_groups", self.n_groups)
         _positive(f"{prefix}.topk_groups", self.topk_groups)
         if self.topk_groups > self.n_groups:
             _fail(f"{prefix}.topk_groups", self.topk_groups, f"exceeds n_groups={self.n_groups}")
         if num_experts % self.n_groups:
-            _fail(f"{prefix}.n_groups", self.n_groups, f"does not divide num_experts={num_experts}")
+            _fail(f"{prefix}.n_groups", self.n_groups, f"does not divide {experts}")
         per_group = num_experts // self.n_groups
         if top_k > self.topk_groups * per_group:
             _fail(f"{prefix}.topk_groups", self.topk_groups,
-                  f"leaves {self.topk_groups * per_group} eligible experts, fewer than top_k={top_k}")
+                  f"leaves {self.topk_groups * per_group} eligible experts, fewer than {moe}top_k={top_k}")
         if self.norm_top_k is not None:
-            self._validate_norm_top_k(prefix, num_experts, top_k, self.topk_groups * per_group)
+            self._validate_norm_top_k(prefix, num_experts, top_k, self.topk_groups * per_group, moe, experts)
         # (norm_top_k=1 gives the constant weight 1 on purpose: the serving "kept" rule at one expert)
         if self.score_func == "softmax" and top_k == 1 and self.norm_top_k is None and not self.pre_softmax:
             _fail(f"{prefix}.pre_softmax", self.pre_softmax,
-                  "softmax with top_k=1 needs pre_softmax=True (post-softmax over one logit is constant 1: "
+                  f"softmax with {moe}top_k=1 needs pre_softmax=True (post-softmax over one logit is constant 1: "
                   "no router gradient)")
         if not self.scaling_factor > 0:
             _fail(f"{prefix}.scaling_factor", self.scaling_factor, "must be > 0")
 
-    def _validate_norm_top_k(self, prefix: str, num_experts: int, top_k: int, eligible: int) -> None:
+    def _validate_norm_top_k(self, prefix: str, num_experts: int, top_k: int, eligible: int, moe: str,
+                             experts: str) -> None:
         name, k2 = f"{prefix}.norm_top_k", self.norm_top_k
         _positive(name, k2)
         if self.strategy != "token_choice":
             # the other strategies pick a variable or imposed set of experts: there is no ranked
             # top-k2 list whose mass would be the denominator
-            _fail(name, k2, f"only acts with strategy='token_choice' (got {self.strategy!r})")
+            _fail(name, k2, f"only acts with {prefix}.strategy='token_choice' (got {self.strategy!r})")
         if k2 < top_k:
-            _fail(name, k2, f"is below top_k={top_k} (the weights of the top_k run experts are "
+            _fail(name, k2, f"is below {moe}top_k={top_k} (the weights of the top_k run experts are "
                   "normalised over the top norm_top_k, which must include them)")
         if k2 > num_experts:
-            _fail(name, k2, f"exceeds num_experts={num_experts}")
+            _fail(name, k2, f"exceeds {experts}")
         if k2 > eligible:
             _fail(name, k2, f"exceeds the {eligible} experts group-limited routing leaves eligible "
-                  f"(topk_groups={self.topk_groups} of n_groups={self.n_groups})")
+                  f"({prefix}.topk_groups={self.topk_groups} of {prefix}.n_groups={self.n_groups})")
         if not self.renormalize and not (self.score_func == "softmax" and not self.pre_softmax):
             # the weights are the raw scores: nothing is normalised, so norm_top_k would do nothing
             _fail(name, k2, "needs normalised weights: with renormalize=false (and no post-softmax) "
@@ -211,8 +216,8 @@ class MoEConfig:
             _fail(f"{prefix}.latent_norm", True, "needs latent_dim > 0 (the norm is at the latent input)")
         if self.n_identity_experts and self.capacity_factor is not None:
             _fail(f"{prefix}.n_identity_experts", self.n_identity_experts,
-                  "needs the dropless path (capacity_factor=None): identity pairs leave the plan as "
-                  "invalid slots, which the capacity layout does not take")
+                  f"needs the dropless path ({prefix}.capacity_factor=None, not {self.capacity_factor}): identity "
+                  "pairs leave the plan as invalid slots, which the capacity layout does not take")
         selectable = ExpertSlots.from_config(self).selectable
         if self.top_k > selectable:
             _fail(f"{prefix}.top_k", self.top_k, f"exceeds num_experts={self.num_experts}"
@@ -240,13 +245,15 @@ class MoEConfig:
             self.router = RouterConfig(**self.router)
         if isinstance(self.balance, dict):
             self.balance = BalanceConfig(**self.balance)
-        self.router.validate(f"{prefix}.router", selectable, self.top_k)
+        experts = f"{prefix}.num_experts={self.num_experts}" + (
+            f" + {prefix}.n_identity_experts={self.n_identity_experts}" if self.n_identity_experts else "")
+        self.router.validate(f"{prefix}.router", selectable, self.top_k, experts)
         self.balance.validate(f"{prefix}.balance")
         if self.capacity_factor is not None and self.router.strategy in ("expert_choice", "expert_threshold"):
             # their routing has a validity mask (a variable number of experts per token); the capacity
             # plan takes exactly top_k experts per token (layers/dispatch.py)
             _fail(f"{prefix}.capacity_factor", self.capacity_factor,
-                  f"the capacity baseline takes a fixed top_k per token; router.strategy="
+                  f"the capacity baseline takes a fixed top_k per token; {prefix}.router.strategy="
                   f"{self.router.strategy!r} has a variable count (set capacity_factor=None)")
         if self.balance.bias_update_rate > 0 and not self.router.use_expert_bias:
             _fail(f"{prefix}.balance.bias_update_rate", self.balance.bias_update_rate,

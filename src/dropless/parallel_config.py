@@ -96,7 +96,7 @@ class ParallelConfig:
     def check_experts(self, num_experts: int, prefix: str = "parallel") -> None:
         """E experts must split evenly over ep_size ranks."""
         if num_experts % self.ep_size:
-            _fail(f"{prefix}.ep_size", self.ep_size, f"does not divide num_experts={num_experts}")
+            _fail(f"{prefix}.ep_size", self.ep_size, f"does not divide model.moe.num_experts={num_experts}")
 
     def check_run(self, moe: MoEConfig, train: TrainConfig) -> None:
         """The combinations with the model and the trainer that would otherwise fail at the first

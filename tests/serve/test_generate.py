@@ -161,17 +161,19 @@ def test_record_routing_refused_for_masked_strategies() -> None:
 
 
 @pytest.mark.parametrize("moe", [dict(router={"strategy": "expert_choice", "score_func": "sigmoid"}),
-                                 dict(capacity_factor=1.0)], ids=["expert_choice", "capacity"])
+                                 dict(router={"strategy": "forced_balance"}),
+                                 dict(capacity_factor=1.0)], ids=["expert_choice", "forced_balance", "capacity"])
 def test_cache_refused_where_routing_depends_on_the_call(moe: dict) -> None:
-    """Expert choice and a capacity-limited layer route among all the tokens of a call: a one-token
-    decode step (or a prompt beside others) meets other experts than the full forward. The cache is
-    refused for them, naming the field; the recompute path (each sequence alone) runs."""
+    """Expert choice, forced balance (a random draw balanced over the call's tokens) and a
+    capacity-limited layer route among all the tokens of a call: a one-token decode step (or a prompt
+    beside others) meets other experts than the full forward. The cache is refused for them, naming
+    the field; the recompute path (each sequence alone) runs."""
     from dropless.config import RouterConfig
 
     if "router" in moe:
         moe = dict(router=RouterConfig(**moe["router"]))
     model = small_model(**moe)
-    with pytest.raises(ValueError, match="expert_choice|capacity_factor"):
+    with pytest.raises(ValueError, match="strategy='expert_choice'|strategy='forced_balance'|capacity_factor"):
         generate(model, PROMPTS, 2)
     assert len(generate(model, PROMPTS, 2, use_cache=False).tokens[0]) == 2
 

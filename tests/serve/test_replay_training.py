@@ -138,3 +138,16 @@ def test_rl_loop_resumes_a_trained_run_on_a_new_record(tmp_path: Path, capsys) -
     assert [r["step"] for r in routing] == [0, 1, 2, 3, 4, 5]
     assert all(layer["counts"][2:] != [0, 0] for r in routing[:4] for layer in r["layers"])
     assert all(layer["counts"][2:] == [0, 0] for r in routing[4:] for layer in r["layers"])
+
+
+def test_a_norm_top_k_run_is_refused_before_anything_is_written(tmp_path: Path, capsys) -> None:
+    """norm_top_k's denominator is the mass of the router's own top norm_top_k, which a replayed choice
+    does not give (layers/router.py): refused when the trainer starts, not at the first step."""
+    expert_01_record(tmp_path / "r.rec")
+    sets = [a for s in [*TINY, *CFG, "model.moe.router.norm_top_k=3"] for a in ("--set", s)]
+    code = train_main([*sets, "--run-dir", str(tmp_path / "run"), "--replay-routing", str(tmp_path / "r.rec")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "model.moe.router.norm_top_k=3" in err and "data.replay_routing=" in err, err
+    assert not (tmp_path / "run").exists()
+

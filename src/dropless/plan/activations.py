@@ -190,9 +190,11 @@ def block_bytes(model: MoEModel, block: Block, batch: int, seq_len: int, bf16: b
     cos, sin = _tables(model, seq_len)
     counter = block.offloader.counter if block.offloader else None
     moved = counter.bytes_to_host if counter else 0  # the model's blocks share one offloader
+    # hash routing looks the experts up by token id: any ids do (the lookup saves nothing)
+    ids = torch.zeros(batch, seq_len, dtype=torch.long) if model.cfg.moe.router.strategy == "hash" else None
 
     def run(x: torch.Tensor) -> Any:
-        out = block(x, cos, sin)
+        out = block(x, cos, sin, token_ids=ids)
         pack = _current_pack()
         for t in _held_outputs(out):
             pack(t)

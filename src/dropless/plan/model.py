@@ -51,6 +51,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..config import RunConfig
+from ..distributed.ep import AUTO_START_FACTOR
 from ..distributed.ep_plan import link_capacity
 from ..expert_slots import ExpertSlots
 from ..config import apply_overrides
@@ -143,10 +144,17 @@ def ep_rows(cfg: RunConfig, tokens: int, world: int) -> tuple[int, int] | None:
     align = math.lcm(m.align, quant_gemm.plan_align(m.precision, 1))  # layers/dispatch.py dispatch_align
     if p.ep_mode == "buffered":
         slots = p.ep_size * link_capacity(p.max_tokens_per_rank or tokens, m.top_k, L, p.ep_size,
-                                          p.ragged_buffer_factor)
+                                          buffer_factor(cfg))
     else:
         slots = tokens * m.top_k  # balanced: every rank receives what it sends
     return L, slots + L * (align - 1)
+
+
+def buffer_factor(cfg: RunConfig) -> float:
+    """parallel.ragged_buffer_factor as a number: "auto" sizes the links from the demand seen at the
+    overflow checks (train/ep_buffers.py) and starts at AUTO_START_FACTOR, what the first steps hold."""
+    f = cfg.parallel.ragged_buffer_factor
+    return AUTO_START_FACTOR if f == "auto" else f
 
 
 def _expected_rank_hits(E: int, K: int, L: int) -> float:
@@ -173,7 +181,7 @@ def ep_buffer_bytes(cfg: RunConfig, tokens: int, bf16: bool, world: int,
     y_es = 2 if bf16 else 4  # the experts' output rows: the compute dtype
     counts = 2 * P * (L + 1) * 8
     if p.ep_mode == "buffered":
-        C = link_capacity(p.max_tokens_per_rank or tokens, K, L, P, p.ragged_buffer_factor)
+        C = link_capacity(p.max_tokens_per_rank or tokens, K, L, P, buffer_factor(cfg))
         rows = P * min(C, p.max_tokens_per_rank or tokens) if p.dedup else P * C
         pairs = P * C
     else:

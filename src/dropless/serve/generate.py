@@ -23,7 +23,8 @@ Legend: B sequences, P longest prompt, V vocabulary, L_moe MoE layers, K experts
 The two paths run different batch shapes through the BLAS, so their logits agree to the fp32 noise
 floor, not bit for bit (docs/numerics.md); greedy tokens agree unless two logits are that close.
 The cache is refused for models whose routing depends on the other tokens of a call (expert choice;
-a capacity-limited layer): a one-token step would meet other experts than the full forward.
+forced balance, a random draw balanced over the call's tokens; a capacity-limited layer): a one-token
+step would meet other experts than the full forward.
 
 Stop sequences (token id lists, or strings encoded with the tokenizer: the byte tokenizer matches
 strings exactly; a BPE tokenizer may spell the same text with other tokens, which is not caught) end
@@ -58,6 +59,8 @@ from .sampling import Sampling, sample_next
 from .serving import add_serving_args, serving_map_from_args
 
 MASKED_STRATEGIES = ("expert_choice", "expert_threshold")
+# routed among all the tokens of a call: the cache's one-token steps would meet other experts
+CALL_ROUTED_STRATEGIES = ("expert_choice", "forced_balance")
 
 
 @dataclass
@@ -164,9 +167,9 @@ def _check(model: MoEModel, prompts: list[list[int]], max_new_tokens: int, use_c
             + ("the recompute path (--no-cache) crops the context instead" if use_cache and not record_routing
                else "recording routing needs every token in one context"))
     moe = model.cfg.moe
-    if use_cache and model.moe_layers() and (moe.router.strategy == "expert_choice"
+    if use_cache and model.moe_layers() and (moe.router.strategy in CALL_ROUTED_STRATEGIES
                                              or moe.capacity_factor is not None):
-        what = ("model.moe.router.strategy='expert_choice'" if moe.router.strategy == "expert_choice"
+        what = (f"model.moe.router.strategy={moe.router.strategy!r}" if moe.router.strategy in CALL_ROUTED_STRATEGIES
                 else f"model.moe.capacity_factor={moe.capacity_factor}")
         raise ValueError(f"use_cache (the KV cache) with {what}: each MoE call routes among all its tokens, "
                          "so a one-token decode step (and a prompt beside others in a batch) would meet "

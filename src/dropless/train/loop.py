@@ -103,7 +103,10 @@ class Trainer:
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.rank = dist.get_rank() if self.distributed else 0
         self.is_main = self.rank == 0
-        p = cfg.parallel.with_token_bound(t.batch_size * t.seq_len)  # buffered EP: the shared bound
+        # buffered EP: the shared bound on a micro-batch's tokens; a replayed record's sequences are as
+        # long as model.max_seq_len, not train.seq_len (train/replay_data.py)
+        longest = cfg.model.max_seq_len if cfg.data.replay_routing else t.seq_len
+        p = cfg.parallel.with_token_bound(t.batch_size * longest)
         if not self.distributed and p.ep_size > 1:
             raise ValueError(f"parallel.ep_size={p.ep_size}: expert parallelism needs several processes "
                              "(dropless train --nproc N, or torchrun -m dropless.train)")

@@ -63,6 +63,11 @@ class ReplayData:
         if strategy in VARIABLE_COUNT_STRATEGIES:
             raise ValueError(f"model.moe.router.strategy={strategy!r}: routing replay imposes K experts "
                              "per token; this strategy chooses a variable number")
+        norm_top_k = cfg.model.moe.router.norm_top_k
+        if norm_top_k is not None:  # (the router refuses it at the first replayed forward: too late)
+            raise ValueError(f"model.moe.router.norm_top_k={norm_top_k} with data.replay_routing={path}: routing "
+                             f"replay takes the weights over the replayed top_k={cfg.model.moe.top_k} ids only; "
+                             "unset norm_top_k")
         rec = RoutingRecord.load(path)
         rec.check_model(cfg.model, slots, what=f"data.replay_routing={path}")
         self.path = str(path)
