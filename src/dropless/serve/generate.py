@@ -24,7 +24,8 @@ The two paths run different batch shapes through the BLAS, so their logits agree
 floor, not bit for bit (docs/numerics.md); greedy tokens agree unless two logits are that close.
 The cache is refused for models whose routing depends on the other tokens of a call (expert choice;
 forced balance, a random draw balanced over the call's tokens; a capacity-limited layer): a one-token
-step would meet other experts than the full forward.
+step would meet other experts than the full forward. So is NVFP4 expert precision, whose per-tensor
+input scale is taken over the call's rows.
 
 Stop sequences (token id lists, or strings encoded with the tokenizer: the byte tokenizer matches
 strings exactly; a BPE tokenizer may spell the same text with other tokens, which is not caught) end
@@ -174,6 +175,13 @@ def _check(model: MoEModel, prompts: list[list[int]], max_new_tokens: int, use_c
         raise ValueError(f"use_cache (the KV cache) with {what}: each MoE call routes among all its tokens, "
                          "so a one-token decode step (and a prompt beside others in a batch) would meet "
                          "other experts than the full forward; generate with --no-cache (use_cache=False)")
+    if use_cache and model.moe_layers() and moe.precision == "nvfp4":
+        # NVFP4 scales the expert GEMMs' input rows by one fp32 factor from the amax of the whole call
+        # (ops/quant.py): a one-token step quantises its row against its own amax, not the sequence's
+        raise ValueError("use_cache (the KV cache) with model.moe.precision='nvfp4': the experts' input "
+                         "shares one per-tensor scale over all the call's rows, so a one-token decode step "
+                         "quantises differently from the full forward; generate with --no-cache "
+                         "(use_cache=False)")
     if record_routing and model.moe_layers() and model.cfg.moe.router.strategy in MASKED_STRATEGIES:
         raise ValueError(f"record_routing (--record-routing) with model.moe.router.strategy={model.cfg.moe.router.strategy!r}: "
                          "its choices depend on the whole batch, a record of ids cannot replay them")
