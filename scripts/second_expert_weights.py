@@ -14,9 +14,9 @@ import sys
 
 import torch
 
-from dropless.serve.load import load_model
-from dropless.train.data import eval_batches, load_splits
-from dropless.train.tokenizer import load_tokenizer
+from dropless.runs.load import load_model
+from dropless.data.batches import eval_batches, load_splits
+from dropless.data.tokenizer import load_tokenizer
 
 SMALL = 0.05
 

@@ -18,8 +18,8 @@ from dropless.distributed import ep_replicas as rep
 from dropless.expert_slots import ExpertSlots
 from dropless.model import MoEModel
 from dropless.plan.model import ep_rows
-from dropless.serve import packed
-from dropless.serve.routing_record import RoutingRecord
+from dropless.runs import packed
+from dropless.data.routing_record import RoutingRecord
 from dropless.serve.serving import serving_top_k
 from dropless.train.health import TrainHealth
 from tiny_run import tiny

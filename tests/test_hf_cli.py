@@ -15,7 +15,7 @@ from hf_models import VOCAB, mixtral_config, qwen3_config, save_hf, transformers
 from tolerances import REFERENCE, assert_close
 
 from dropless.cli import main as cli
-from dropless.serve.load import load_model
+from dropless.runs.load import load_model
 
 # 2 steps of 2 x 32 tokens of the embedded corpus, fp32 on the CPU, quiet
 SMOKE = ["train.steps=2", "train.warmup_steps=0", "train.batch_size=2", "train.seq_len=32",

@@ -329,7 +329,7 @@ def test_init_from_trains_with_the_bias_rule_and_exports(tmp_path: Path, capsys:
     from test_hf_cli import SMOKE, sets
 
     from dropless.cli import main as cli
-    from dropless.serve.load import load_model
+    from dropless.runs.load import load_model
 
     src, run, out = tmp_path / "src", tmp_path / "run", tmp_path / "out"
     save_hf(deepseek_config(), src)

@@ -26,8 +26,8 @@ from tolerances import REFERENCE, assert_close
 from dropless.config import ModelConfig, RunConfig, TrainConfig, save_config, to_dict
 from dropless.hf import export_hf, import_hf, mapping
 from dropless.model import MoEModel
-from dropless.train import checkpoint as ckpt
-from dropless.train import dist_checkpoint
+from dropless.runs import checkpoint as ckpt
+from dropless.runs import dist_checkpoint
 from dropless.train.optim import build_optimizer
 
 FAMILIES = {"qwen3_moe": qwen3_config, "mixtral": mixtral_config}
@@ -101,7 +101,7 @@ def check_round_trip(tmp_path: Path, config: object, family: str) -> None:
     export equals the original's, key for key and bit for bit; the files hold the same tensors."""
     from safetensors.torch import load_file
 
-    from dropless.serve.load import load_model
+    from dropless.runs.load import load_model
 
     src, run, out = tmp_path / "src", tmp_path / "run", tmp_path / "out"
     hf = save_hf(config, src)

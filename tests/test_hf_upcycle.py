@@ -24,7 +24,7 @@ from tolerances import REFERENCE, UPCYCLE_LOSS_CURVE, assert_close
 
 from dropless.cli import main as cli
 from dropless.hf import import_hf, upcycle
-from dropless.serve.load import load_model
+from dropless.runs.load import load_model
 
 
 def qwen3_dense(**kw: Any) -> Any:

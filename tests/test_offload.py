@@ -17,7 +17,7 @@ from dropless.layers import offload
 from dropless.model import MoEModel
 from dropless.saved_bytes import AliveStorages, saved_bytes
 from dropless.train.loop import Trainer
-from dropless.train.resume import is_fixed
+from dropless.fixed_fields import is_fixed
 from test_recompute import B, S, ROUTERS, assert_equal, fwd_bwd, model_cfg, tokens
 from tiny_run import rows, tiny
 

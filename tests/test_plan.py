@@ -18,7 +18,7 @@ from dropless.plan import cli
 from dropless.plan.model import plan, with_overrides
 from dropless.plan.suggest import suggest
 from dropless.plan.validate import measure
-from dropless.train.run import preset_path
+from dropless.runs.presets import preset_path
 
 # AdamW: the planner's optimizer bytes are exact for it (Muon's are a stated upper bound, plan/model.py)
 SMALL = ["model.n_layers=3", "train.batch_size=4", "train.seq_len=64", "model.max_seq_len=64", "train.optimizer=adamw"]

@@ -18,7 +18,7 @@ from dropless.plan import cli
 from dropless.plan.activations import activation_bytes
 from dropless.plan.model import plan
 from dropless.plan.validate import measure
-from dropless.train.run import preset_path
+from dropless.runs.presets import preset_path
 
 SMALL = ["model.n_layers=3", "train.batch_size=4", "train.seq_len=64", "model.max_seq_len=128",
          "train.optimizer=adamw"]

@@ -57,7 +57,7 @@ def check_crash_resume(tmp_path: Path, extra: tuple[str, ...], crash_step: int, 
                        monkeypatch: pytest.MonkeyPatch) -> None:
     """An uninterrupted run and one killed at `crash_step`, then resumed from its step-`ckpt_step`
     checkpoint, write the same losses and every value of every routing.jsonl row."""
-    from dropless.train import checkpoint as ckpt
+    from dropless.runs import checkpoint as ckpt
 
     full, broken = tmp_path / "full", tmp_path / "broken"
     Trainer(tiny(*extra), full).fit()

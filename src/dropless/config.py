@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
-from .configtree import (  # noqa: F401  (re-exported: the tree's public helpers)
+from .configtree import (
     _choice,
     _fail,
     _positive,
@@ -28,7 +28,7 @@ from .configtree import (  # noqa: F401  (re-exported: the tree's public helpers
     to_dict,
 )
 
-from .moe_config import (  # noqa: F401  (re-exported: the MoE part of the tree)
+from .moe_config import (
     SCORE_FUNCS,
     ACTIVATIONS,
     BACKENDS,
@@ -52,7 +52,7 @@ from .parallel_config import EP_MODES, ON_OVERFLOW, ParallelConfig  # noqa: F401
 
 SCHEDULES = ("cosine", "wsd", "constant")
 TOKENIZERS = ("byte", "hf")
-DTYPES = ("auto", "bf16", "fp32")  # "auto": bf16 on CUDA and AMX CPUs, else fp32 (train/device.py)
+DTYPES = ("auto", "bf16", "fp32")  # "auto": bf16 on CUDA and AMX CPUs, else fp32 (device.py)
 DEVICES = ("auto", "cpu", "cuda")  # "auto": CUDA when present
 OPTIMIZERS = ("adamw", "adamw_bf16", "muon")
 
@@ -265,7 +265,7 @@ class TrainConfig:
     # row stop the run: five different batches failing on unchanged weights is no passing glitch.
     max_nonfinite_steps: int = 5
     seed: int = 1337
-    # Where and in what precision (train/device.py decides "auto" and logs why): device "auto" is CUDA
+    # Where and in what precision (device.py decides "auto" and logs why): device "auto" is CUDA
     # when present; dtype is the forward's autocast dtype, "auto" = bf16 on CUDA and on CPUs with AMX,
     # fp32 elsewhere (a bf16 matmul without AMX runs at about half the fp32 speed). Master weights,
     # optimizer state and the router stay fp32 either way.
@@ -314,7 +314,7 @@ class DataConfig:
     tokenizer_path: Optional[str] = None  # a local tokenizer.json for tokenizer="hf"
     val_fraction: float = 0.05
     max_bytes: int = 0  # cap on corpus bytes (0 = all)
-    replay_routing: str = ""  # a routing record to train on with its expert ids (train/replay_data.py)
+    replay_routing: str = ""  # a routing record to train on with its expert ids (data/replay.py)
 
     def __post_init__(self) -> None:
         _choice("data.tokenizer", self.tokenizer, TOKENIZERS)
@@ -355,7 +355,7 @@ class RunConfig:
                   "module D predicts token t+D+1, so a window of seq_len inputs leaves it seq_len - D targets")
         if self.data.tokenizer == "byte" and self.model.vocab_size < 256:  # (hf: checked on loading it)
             _fail("model.vocab_size", self.model.vocab_size, "is below the 256 ids of data.tokenizer='byte'")
-        self.parallel.check_run(self.model.moe, self.train)
+        self.parallel.check_run(self.model.moe, self.train.batch_size * self.train.seq_len, self.train.optimizer)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:

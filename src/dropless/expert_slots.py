@@ -29,12 +29,17 @@ methods work on ints and integer tensors alike.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, TypeVar
-
-if TYPE_CHECKING:
-    from .moe_config import MoEConfig
+from typing import Protocol, TypeVar
 
 Ids = TypeVar("Ids")  # an int or an integer tensor
+
+
+class SlotFields(Protocol):
+    """What `from_config` reads of a `MoEConfig` (a protocol: the config validates through this
+    module, so this module does not import the config)."""
+
+    num_experts: int
+    n_identity_experts: int
 
 
 @dataclass(frozen=True)
@@ -58,7 +63,7 @@ class ExpertSlots:
                              "experts, which needs ep_size >= 2")
 
     @classmethod
-    def from_config(cls, moe: "MoEConfig") -> "ExpertSlots":
+    def from_config(cls, moe: SlotFields) -> "ExpertSlots":
         """The slots a MoE layer of `moe` is built with (one device, no replicas)."""
         return cls(moe.num_experts, moe.n_identity_experts)
 

@@ -6,13 +6,10 @@ where the rest of the tree lives; split out only to keep that file one screenful
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Optional, Union  # noqa: F401  (field annotations)
+from typing import Optional, Union  # noqa: F401  (field annotations)
 
 from .configtree import _choice, _fail, _positive  # noqa: F401
 from .moe_config import MoEConfig  # noqa: F401
-
-if TYPE_CHECKING:
-    from .config import TrainConfig
 
 
 EP_MODES = ("exact", "buffered")
@@ -98,9 +95,10 @@ class ParallelConfig:
         if num_experts % self.ep_size:
             _fail(f"{prefix}.ep_size", self.ep_size, f"does not divide model.moe.num_experts={num_experts}")
 
-    def check_run(self, moe: MoEConfig, train: TrainConfig) -> None:
-        """The combinations with the model and the trainer that would otherwise fail at the first
-        forward (or when the trainer starts), refused at validation."""
+    def check_run(self, moe: MoEConfig, tokens: int, optimizer: str) -> None:
+        """The combinations with the model and the trainer (`tokens` = train.batch_size *
+        train.seq_len, `optimizer` = train.optimizer) that would otherwise fail at the first forward
+        (or when the trainer starts), refused at validation."""
         self.check_experts(moe.num_experts)
         if self.ep_size > 1 and moe.capacity_factor is not None:
             _fail("parallel.ep_size", self.ep_size, f"with model.moe.capacity_factor={moe.capacity_factor}: "
@@ -111,13 +109,12 @@ class ParallelConfig:
         if self.replicate_hot_experts > moe.num_experts:
             _fail("parallel.replicate_hot_experts", self.replicate_hot_experts,
                   f"is more than model.moe.num_experts={moe.num_experts}")
-        tokens = train.batch_size * train.seq_len
         if self.ep_mode == "buffered" and 0 < self.max_tokens_per_rank < tokens:
             _fail("parallel.max_tokens_per_rank", self.max_tokens_per_rank,
                   f"is below a micro-batch, train.batch_size * train.seq_len = {tokens}: every step would "
                   "overrun the buffered EP bound (0 = the micro-batch)")
-        if self.ep_mode == "buffered" and train.optimizer not in ("adamw", "muon"):
-            _fail("parallel.ep_mode", self.ep_mode, f"with train.optimizer={train.optimizer!r}: the buffered "
+        if self.ep_mode == "buffered" and optimizer not in ("adamw", "muon"):
+            _fail("parallel.ep_mode", self.ep_mode, f"with train.optimizer={optimizer!r}: the buffered "
                   "overflow guard skips a step on the device through eagerly created optimizer state "
                   "(fused AdamW's, or Muon's); use train.optimizer='adamw' or 'muon', or "
                   "parallel.ep_mode='exact'")

@@ -12,7 +12,7 @@ import pytest
 from dropless.bench import precision as bench
 from dropless.config import load_config
 from dropless.model import MoEModel
-from dropless.train.run import preset_path
+from dropless.runs.presets import preset_path
 
 TINY = [
     "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.max_seq_len=32",

@@ -13,7 +13,7 @@ import pytest
 from dropless.bench import quality as bench
 from dropless.config import load_config
 from dropless.model import MoEModel
-from dropless.train.run import preset_path
+from dropless.runs.presets import preset_path
 
 SMALL = ["model.d_model=32", "model.n_heads=2", "model.max_seq_len=32", "model.d_ff_dense=64",
          "model.moe.d_expert=32", "train.batch_size=2", "train.seq_len=32", "train.eval_batches=1",

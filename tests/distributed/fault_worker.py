@@ -9,8 +9,8 @@ import sys
 
 import torch.distributed as dist
 
-from dropless.train import dist_checkpoint
-from dropless.train.checkpoint import checkpoint_name
+from dropless.runs import dist_checkpoint
+from dropless.runs.checkpoint import checkpoint_name
 from dropless.train.run import main
 
 kill_rank, kill_step = (int(v) for v in os.environ["DROPLESS_TEST_KILL"].split(":"))

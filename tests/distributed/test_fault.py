@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dropless.train import checkpoint as ckpt
+from dropless.runs import checkpoint as ckpt
 
 HERE = Path(__file__).resolve().parent
 ARGS = [

@@ -18,7 +18,7 @@ import torch
 
 from dist_harness import run_world
 from test_parallel_train import _local_state  # params and optimizer state, local shards
-from dropless.train import checkpoint as ckpt
+from dropless.runs import checkpoint as ckpt
 from dropless.train.loop import Trainer
 from dropless.train.muon import Muon
 from dropless.train.overflow import EPOverflowError

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from dist_harness import run_world
-from dropless.train import checkpoint as ckpt
-from dropless.train.data import eval_batches, load_splits
-from dropless.serve.load import load_model
+from dropless.runs import checkpoint as ckpt
+from dropless.data.batches import eval_batches, load_splits
+from dropless.runs.load import load_model
 from dropless.train.loop import Trainer
 from dropless.train.overflow import EPOverflowError
-from dropless.train.tokenizer import load_tokenizer
+from dropless.data.tokenizer import load_tokenizer
 from tiny_run import tiny as tiny_base
 from tolerances import PARALLEL_TRAIN_GRAD_NORM, PARALLEL_TRAIN_LOSS
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from dist_harness import run_world
-from dropless.serve.routing_record import RoutingRecord
+from dropless.data.routing_record import RoutingRecord
 from dropless.train.loop import Trainer
 from tiny_run import tiny
 

@@ -20,8 +20,8 @@ import torch
 
 from dist_harness import run_world
 from dropless.model import MoEModel
-from dropless.train import checkpoint as ckpt
-from dropless.train import dist_checkpoint
+from dropless.runs import checkpoint as ckpt
+from dropless.runs import dist_checkpoint
 from dropless.train.loop import Trainer
 from tiny_run import tiny as tiny_base
 from tolerances import PARALLEL_TRAIN_GRAD_NORM, PARALLEL_TRAIN_LOSS

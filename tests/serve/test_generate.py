@@ -12,7 +12,7 @@ import torch
 from dropless.model import MoEModel
 from dropless.serve.generate import generate
 from dropless.serve.sampling import Sampling, apply_repetition_penalty, filter_top_k, filter_top_p
-from dropless.train.tokenizer import ByteTokenizer
+from dropless.data.tokenizer import ByteTokenizer
 from test_kv_cache import small_model
 
 PROMPTS = [[5, 17, 3, 40, 22, 9, 31, 2, 11, 60, 7], [33], [8, 8, 51, 19, 44]]

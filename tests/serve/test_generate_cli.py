@@ -11,7 +11,7 @@ import torch
 
 from dropless.bench.generate import main as bench_main
 from dropless.serve.generate import generate, main
-from dropless.serve.load import load_model
+from dropless.runs.load import load_model
 from dropless.train.loop import Trainer
 from tiny_run import tiny
 
@@ -67,7 +67,7 @@ def test_bad_flags_exit_2_naming_the_flag(run_dir: Path, capsys: pytest.CaptureF
 
 
 def test_record_routing_file(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from dropless.serve.routing_record import RoutingRecord
+    from dropless.data.routing_record import RoutingRecord
 
     out = tmp_path / "gen.rec"
     assert main(cli(run_dir, "--prompt", "def ", "--prompt", "x", "--record-routing", str(out))) == 0
@@ -122,7 +122,7 @@ def test_bench_bad_flags(tmp_path: Path, capsys: pytest.CaptureFixture, args: li
 def test_serve_top_k_flags_reach_the_model(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """--serve-top-k 1 runs one expert per token (the record's K), and the text is the API's with the
     served config; K2 < K1 is refused before loading, naming the flag."""
-    from dropless.serve.routing_record import RoutingRecord
+    from dropless.data.routing_record import RoutingRecord
     from dropless.serve.serving import serving_map
 
     rec = tmp_path / "k1.rec"

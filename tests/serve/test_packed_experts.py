@@ -12,12 +12,7 @@ import pytest
 import torch
 
 from dropless.layers.experts import ExpertBatch, GroupedExperts
-from dropless.layers.packed_experts import (
-    PackedExperts,
-    check_packable,
-    pack_weight,
-    unpack_weight,
-)
+from dropless.layers.packed_experts import PackedExperts, check_packable, pack_weight, unpack_weight
 from dropless.ops import quant_gemm
 from dropless.ops._fp_formats import decode_e2m1, pack_fp4, unpack_fp4
 from dropless.ops.quant import fake_quantize

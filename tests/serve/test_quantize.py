@@ -1,4 +1,4 @@
-"""`dropless quantize` (serve/quantize.py, serve/packed.py): quantise -> load -> evaluate on a tiny
+"""`dropless quantize` (serve/quantize.py, runs/packed.py): quantise -> load -> evaluate on a tiny
 trained run, and bad inputs that must fail cleanly without writing anything."""
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from dropless.expert_slots import ExpertSlots
 from dropless.layers.packed_experts import PackedExperts
 from dropless.model import MoEModel
 from dropless.ops.quant import fake_quantize
-from dropless.serve import packed
+from dropless.runs import packed
 from dropless.serve.evaluate import val_loss
-from dropless.serve.load import load_model, run_config
+from dropless.runs.load import load_model, run_config
 from dropless.serve.quantize import distinct_experts
-from dropless.train.checkpoint import save_checkpoint
+from dropless.runs.checkpoint import save_checkpoint
 from dropless.train.loop import Trainer
 from tiny_run import tiny
 from tolerances import REFERENCE, assert_close

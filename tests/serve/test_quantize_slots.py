@@ -1,4 +1,4 @@
-"""`dropless quantize` takes every expert width and count from the built modules (serve/packed.py,
+"""`dropless quantize` takes every expert width and count from the built modules (runs/packed.py,
 expert_slots.py), not from re-derived config fields:
 - LatentMoE (`model.moe.latent_dim` l < d): the experts read l-wide rows, so their packed codes are
   [E, l/2, 2F]; a skeleton sized by d_model could never load them. d=64, l=32 is the smallest shape
@@ -19,9 +19,9 @@ import torch
 from dropless import cli
 from dropless.expert_slots import ExpertSlots
 from dropless.model import MoEModel
-from dropless.serve import packed
+from dropless.runs import packed
 from dropless.serve.evaluate import val_loss
-from dropless.serve.load import load_model
+from dropless.runs.load import load_model
 from dropless.serve.quantize import distinct_experts
 from dropless.train.loop import Trainer
 from test_quantize import _fake_quantised

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dropless.cli import main as cli
-from dropless.serve.routing_record import RoutingRecord
+from dropless.data.routing_record import RoutingRecord
 from dropless.train.loop import Trainer
 from tiny_run import tiny
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from dropless.expert_slots import ExpertSlots
 from dropless.model import MoEModel
 from dropless.train.loop import Trainer
-from dropless.train.replay_data import IGNORE_INDEX, ReplayData
+from dropless.data.replay import IGNORE_INDEX, ReplayData
 from test_replay_training import CFG, expert_01_record
 from tiny_run import rows, tiny
 from tolerances import assert_close

@@ -13,9 +13,9 @@ import torch
 
 from dropless.expert_slots import ExpertSlots
 from dropless.model import MoEModel
-from dropless.serve.routing_record import RoutingRecord
+from dropless.data.routing_record import RoutingRecord
 from dropless.train.loop import Trainer
-from dropless.train.replay_data import IGNORE_INDEX, ReplayData
+from dropless.data.replay import IGNORE_INDEX, ReplayData
 from dropless.train.run import main as train_main
 from tiny_run import TINY, check_crash_resume, rows, tiny
 from tolerances import REFERENCE

@@ -15,7 +15,7 @@ import torch
 from dropless.cli import main as cli
 from dropless.expert_slots import ExpertSlots
 from dropless.model import MoEModel
-from dropless.serve.routing_record import RoutingRecord
+from dropless.data.routing_record import RoutingRecord
 from dropless.train.loop import Trainer
 from dropless.train.run import main as train_main
 from tiny_run import TINY, tiny

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dropless.serve.mismatch import main, routing_mismatch
-from dropless.serve.routing_record import RoutingRecord
+from dropless.data.routing_record import RoutingRecord
 
 
 def rec(ids: list, tokens: list[list[int]] | None = None, E: int = 4) -> RoutingRecord:

@@ -10,7 +10,7 @@ import torch
 
 from dropless.model import MoEModel
 from dropless.serve.record_routing import record
-from dropless.serve.routing_record import FORMAT_VERSION, MAGIC, RoutingRecord
+from dropless.data.routing_record import FORMAT_VERSION, MAGIC, RoutingRecord
 from tiny_run import tiny
 
 # 3 blocks: block 0 dense, blocks 1 and 2 MoE (E=4, K=2): the layer order in the header is [1, 2].

@@ -11,8 +11,8 @@ import pytest
 
 from dropless.serve import evaluate_cli
 from dropless.serve.generate import main as generate_main
-from dropless.serve.load import load_model
-from dropless.serve.routing_record import RoutingRecord
+from dropless.runs.load import load_model
+from dropless.data.routing_record import RoutingRecord
 from dropless.serve.serving import serving_map
 from dropless.train.loop import Trainer
 from tiny_run import tiny

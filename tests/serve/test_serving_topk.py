@@ -16,7 +16,7 @@ from dropless.layers.moe import MoELayer
 from dropless.ops.activations import activation
 from dropless.serve import evaluate_cli
 from dropless.serve.evaluate import val_loss
-from dropless.serve.load import load_model
+from dropless.runs.load import load_model
 from dropless.serve.serving import serving_map, serving_top_k, weight_denominator
 from dropless.train.loop import Trainer
 from tiny_run import tiny

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dropless.train import checkpoint as ckpt
-from dropless.train.checkpoint import (
+from dropless.runs import checkpoint as ckpt
+from dropless.runs.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,

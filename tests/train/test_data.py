@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dropless.train.corpus import (
+from dropless.data.corpus import (
     Document,
     STDLIB_EXCLUDED_DIRS,
     read_documents,
@@ -22,7 +22,7 @@ from dropless.train.corpus import (
     stdlib_files,
     stdlib_root,
 )
-from dropless.train.data import (
+from dropless.data.batches import (
     SEPARATOR,
     encode_documents,
     encode_documents_reference,
@@ -31,7 +31,7 @@ from dropless.train.data import (
     load_splits,
     token_dtype,
 )
-from dropless.train.tokenizer import ByteTokenizer
+from dropless.data.tokenizer import ByteTokenizer
 
 CAP = 300_000
 
@@ -78,7 +78,7 @@ def test_split_deterministic_and_disjoint() -> None:
 def test_split_uses_no_salted_hash(tmp_path: Path) -> None:
     # A fresh interpreter (new PYTHONHASHSEED) must compute the same split.
     code = (
-        "from dropless.train.corpus import is_validation;"
+        "from dropless.data.corpus import is_validation;"
         "print(''.join('1' if is_validation(f'doc{i}', 0.3) else '0' for i in range(64)))"
     )
     import subprocess

@@ -1,4 +1,4 @@
-"""train.device and train.dtype: the decision (train/device.py) with the hardware queries faked, the
+"""train.device and train.dtype: the decision (device.py) with the hardware queries faked, the
 trainer and the CLI refusing CUDA that is not there, the run log saying what was picked and why,
 and the process group following the trainer's device."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dropless.config import TrainConfig
-from dropless.train import device as D
+from dropless import device as D
 from tiny_run import tiny
 
 AMX_CPU = {"amx_bf16": True, "amx_tile": True, "avx512_bf16": True}
@@ -165,7 +165,7 @@ def test_process_group_follows_the_trainers_device(monkeypatch: pytest.MonkeyPat
     # set a CUDA device whenever CUDA existed).
     import torch.distributed as dist
 
-    from dropless.distributed import parallelize as par
+    from dropless.distributed.mesh import init_distributed
 
     backends = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -174,12 +174,12 @@ def test_process_group_follows_the_trainers_device(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(dist, "init_process_group", lambda backend: backends.append(backend))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
-    assert par.init_distributed(CPU) is True
+    assert init_distributed(CPU) is True
     assert backends == ["gloo"]
 
 
 def test_batches_follow_the_device() -> None:
-    from dropless.train.data import eval_batches, get_batch
+    from dropless.data.batches import eval_batches, get_batch
 
     tokens = torch.arange(1000, dtype=torch.int32) % 256
     x, y = get_batch(tokens, 3, 0, 4, 16, seed=0, device=torch.device("meta"))

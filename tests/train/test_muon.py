@@ -13,8 +13,16 @@ import torch
 from dropless.config import load_config
 from dropless.model import MoEModel
 from dropless.train.loop import Trainer
-from dropless.train.muon import (NS_STEPS, Muon, Split, muon_param_groups, newton_schulz, orthogonalise,
-                                 orthogonalise_reference, scale_of)
+from dropless.train.muon import (
+    NS_STEPS,
+    Muon,
+    Split,
+    muon_param_groups,
+    newton_schulz,
+    orthogonalise,
+    orthogonalise_reference,
+    scale_of,
+)
 from dropless.train.optim import build_optimizer, muon_ns_dtype, step_unless
 from tiny_run import crash_at, rows, tiny
 

@@ -15,8 +15,8 @@ import torch
 
 from dropless.monitor.report import write_report
 from dropless.model import MoEModel
-from dropless.train import checkpoint as ckpt
-from dropless.train.dist_checkpoint import load_full_model
+from dropless.runs import checkpoint as ckpt
+from dropless.runs.dist_checkpoint import load_full_model
 from dropless.train.loop import Trainer
 from dropless.train.nonfinite import NonFiniteError
 from dropless.train.optim import build_optimizer, step_unless

@@ -13,11 +13,11 @@ import torch
 
 from dropless.config import load_config, save_config, to_dict
 from dropless.monitor.stats import StepAccumulator
-from dropless.train import checkpoint as ckpt
-from dropless.train import dist_checkpoint
-from dropless.serve.load import load_model
+from dropless.runs import checkpoint as ckpt
+from dropless.runs import dist_checkpoint
+from dropless.runs.load import load_model
 from dropless.train.loop import Trainer
-from dropless.train.resume import check_resume_config
+from dropless.runs.resume import check_resume_config
 from dropless.train import run as run_module
 from dropless.train.run import main as train_main
 from tiny_run import check_crash_resume, crash_at, rows, tiny

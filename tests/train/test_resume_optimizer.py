@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from dropless.model import MoEModel
-from dropless.train import checkpoint as ckpt
-from dropless.train import dist_checkpoint
+from dropless.runs import checkpoint as ckpt
+from dropless.runs import dist_checkpoint
 from dropless.train.loop import Trainer
 from tiny_run import rows, tiny
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dropless.train.sinks import JsonlLog
+from dropless.runs.sinks import JsonlLog
 
 
 def test_truncate_keeps_earlier_rows_and_a_crash_mid_cut_loses_nothing(tmp_path: Path,

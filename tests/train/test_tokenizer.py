@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dropless.train.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from dropless.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 
 def test_byte_round_trip_text() -> None:
@@ -90,7 +90,7 @@ def test_hf_malformed_file(tmp_path: Path) -> None:
 
 
 def test_hf_tokenizer_through_data_pipeline(tmp_path: Path) -> None:
-    from dropless.train.data import get_batch, load_splits, token_dtype
+    from dropless.data.batches import get_batch, load_splits, token_dtype
 
     tok = HFTokenizer(_write_hf_tokenizer(tmp_path))
     docs = tmp_path / "docs"

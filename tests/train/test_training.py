@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from dropless.config import load_config
-from dropless.train import checkpoint as ckpt
+from dropless.runs import checkpoint as ckpt
 from dropless.serve.generate import generate
-from dropless.serve.load import load_model
+from dropless.runs.load import load_model
 from dropless.train.loop import Trainer
 from dropless.train.run import main as train_main
 from tiny_run import crash_at, rows, tiny
@@ -113,7 +113,7 @@ def test_cli_errors_are_clear(tmp_path: Path, capsys: pytest.CaptureFixture) -> 
 
 def test_presets_load_and_dense_matches_active_params() -> None:
     from dropless.model import MoEModel
-    from dropless.train.run import preset_path
+    from dropless.runs.presets import preset_path
 
     tiny_cfg = load_config(preset_path("tiny"))
     dense_cfg = load_config(preset_path("dense"))

@@ -40,8 +40,8 @@ import time
 from pathlib import Path
 
 from ..config import load_config
-from ..train.run import preset_path
-from ..train.sinks import read_jsonl
+from ..runs.presets import preset_path
+from ..runs.sinks import read_jsonl
 from .timing import format_table
 
 METHODS: dict[str, list[str]] = {

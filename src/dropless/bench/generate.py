@@ -50,9 +50,9 @@ from ..layers import decode_experts
 from ..layers.kv_cache import KVCache
 from ..model import MoEModel
 from ..serve.evaluate import autocast
-from ..serve.load import load_model
-from ..train.device import resolve_device
-from ..train.run import preset_path
+from ..runs.load import load_model
+from ..device import resolve_device
+from ..runs.presets import preset_path
 from .timing import format_table, interleaved
 
 PATH_CONTEXT = 128

@@ -59,8 +59,7 @@ from ..layers.moe import MoELayer
 from ..model import Block, MoEModel
 from ..saved_bytes import SavedBytes, saved_bytes
 from . import hf_baseline
-from .layer import (DTYPES, _fwd_bwd, _params, add_shape_args, build_forwards, dims, draw_inputs,
-                    moe_layer)
+from .layer import DTYPES, _fwd_bwd, _params, add_shape_args, build_forwards, dims, draw_inputs, moe_layer
 from .timing import format_table, interleaved
 
 COLUMNS = ["scope", "variant", "saved_bytes_per_token", "saved_over_floor", "peak_bytes",

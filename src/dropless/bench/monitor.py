@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from ..config import load_config
-from ..train.run import preset_path
+from ..runs.presets import preset_path
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,7 +49,7 @@ from ..config import PRECISIONS, RunConfig, load_config
 from ..model import MoEModel
 from ..train.optim import build_optimizer
 from ..train.optim_lowp import state_bytes
-from ..train.run import preset_path
+from ..runs.presets import preset_path
 from .timing import format_table, interleaved
 
 BASELINE = "bf16"
@@ -118,7 +118,7 @@ def optimizer_state_bytes(cfg: RunConfig) -> dict[str, int]:
 def train_one(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
     """Train to the end; return the summary plus the median train_step time in ms during the run."""
     from ..train.loop import Trainer
-    from ..train.sinks import read_jsonl
+    from ..runs.sinks import read_jsonl
 
     summary = Trainer(cfg, run_dir).fit()
     times_ms = [r["step_ms"] for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "step_ms" in r]

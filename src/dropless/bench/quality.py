@@ -55,8 +55,8 @@ from pathlib import Path
 
 from .. import atomic
 from ..config import RunConfig, load_config
-from ..train.run import preset_path
-from ..train.sinks import read_jsonl
+from ..runs.presets import preset_path
+from ..runs.sinks import read_jsonl
 from .balance import METHODS as BALANCE_METHODS
 from .timing import format_table
 

@@ -64,7 +64,7 @@ from ..hf import mapping
 from ..layers.moe import MoELayer
 from ..model import Attention, MoEModel
 from ..train import compiling
-from ..train.device import resolve
+from ..device import resolve
 from ..train.optim import build_optimizer
 from . import hf_baseline, step_profile
 from .timing import format_table, sync

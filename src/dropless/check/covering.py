@@ -39,7 +39,7 @@ Pair = tuple[Slot, Slot]  # the lower factor index first
 
 @cache
 def base_config() -> RunConfig:
-    from ..train.run import preset_path
+    from ..runs.presets import preset_path
 
     return load_config(preset_path(fx.PRESET), fx.BASE)
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from ..serve.generate import _Cached, generate
-from ..serve.load import load_model
-from ..train.tokenizer import load_tokenizer
+from ..runs.load import load_model
+from ..data.tokenizer import load_tokenizer
 from .runner import Failed
 
 RTOL, ATOL = 1e-5, 3e-5  # tests/tolerances.py KV_DECODE (module note)

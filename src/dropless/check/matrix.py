@@ -123,7 +123,7 @@ def header(m: covering.Matrix, problems: list[str]) -> list[str]:
 def preload() -> None:
     """Import what every row imports, once, here: the rows are forked from this process (module note).
     Only imports: no tensor operation runs here before a fork (an OpenMP pool does not survive one)."""
-    for name in ["dropless.check.row", *MODULES.values(), "dropless.serve.packed", "dropless.hf.mapping"]:
+    for name in ["dropless.check.row", *MODULES.values(), "dropless.runs.packed", "dropless.hf.mapping"]:
         importlib.import_module(name)
     try:
         plots.pyplot()

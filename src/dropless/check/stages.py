@@ -23,8 +23,8 @@ from typing import Callable
 
 from ..config import RunConfig
 from ..expert_slots import ExpertSlots
-from ..serve.routing_record import RoutingRecord
-from ..train import checkpoint as ckpt
+from ..data.routing_record import RoutingRecord
+from ..runs import checkpoint as ckpt
 from . import greedy, hf_check
 from .factors import PRESET
 from .runner import Call, Failed, Refused, Skipped, invoke

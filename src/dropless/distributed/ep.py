@@ -67,7 +67,16 @@ from ..layers.moe import MoELayer
 from ..layers.router import RoutingDecision
 from ..ops import permute as perm
 from . import comm, ep_spill
-from .ep_plan import BagSum, bags, dest_layout, excl_cumsum, link_capacity, local_expert_count, source_pairs, take
+from .ep_plan import (
+    BagSum,
+    bags,
+    dest_layout,
+    excl_cumsum,
+    link_capacity,
+    local_expert_count,
+    source_pairs,
+    take,
+)
 
 __all__ = ["EPDispatcher", "EPMeta", "build_ep_dispatcher", "link_capacity", "local_expert_count",
            "must_invalidate"]

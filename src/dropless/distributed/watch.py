@@ -46,7 +46,7 @@ from .fingerprint import CollectiveLog, Entry, divergence
 
 if TYPE_CHECKING:
     from ..config import ParallelConfig
-    from .parallelize import Meshes
+    from .mesh import Meshes
 
 _CURRENT: contextvars.ContextVar["CommWatch | None"] = contextvars.ContextVar("dropless_comm_watch", default=None)
 _POLL_S = 0.02

@@ -98,7 +98,7 @@ def tokenizer_folder(tokenizer: str, tokenizer_path: str | None) -> Path | None:
 def export(run_dir: str | Path, out: str | Path, family: str, dtype: str = "fp32",
            max_shard_mb: float = 5000.0) -> list[str]:
     """Export the latest checkpoint of `run_dir` (module note); returns the files written."""
-    from ..serve.load import load_model, run_config
+    from ..runs.load import load_model, run_config
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
@@ -106,7 +106,7 @@ def export(run_dir: str | Path, out: str | Path, family: str, dtype: str = "fp32
         raise ValueError(f"--max-shard-size-mb {max_shard_mb}: must be > 0")
     out = Path(out).absolute()
     atomic.require_empty_dir(out, "--out")
-    from ..serve import packed
+    from ..runs import packed
 
     if packed.is_packed_run(run_dir):
         raise ValueError(f"{run_dir}: a quantized run (4-bit experts); export the run it was quantized from")

@@ -256,7 +256,7 @@ def copy_tokenizer(hf_dir: Path, dest: Path) -> list[str]:
 
 def check_out(hf_dir: Path, out: Path, overrides: list[str]) -> None:
     """What write_run (and upcycle) refuse before reading any weight."""
-    from ..train.resume import is_fixed
+    from ..fixed_fields import is_fixed
 
     for o in overrides:
         name = o.split("=", 1)[0].strip()
@@ -272,21 +272,21 @@ def check_out(hf_dir: Path, out: Path, overrides: list[str]) -> None:
 def save_run(model: MoEModel, cfg: RunConfig, hf_dir: Path, out: Path, extra: dict[str, Any]) -> None:
     """Write `model` as the step-0 checkpoint of the run directory `out` with its config.toml and
     the checkpoint's tokenizer files, assembled hidden and renamed into place (nothing left on error)."""
-    from ..train import checkpoint as ckpt
-    from ..train import dist_checkpoint
-    from ..train.optim import build_optimizer
+    from ..runs import checkpoint as ckpt
+    from ..runs import dist_checkpoint
 
     with atomic.build_dir(out) as tmp:
         copy_tokenizer(hf_dir, tmp / "tokenizer")
-        from ..train.tokenizer import HFTokenizer
+        from ..data.tokenizer import HFTokenizer
 
         vocab = HFTokenizer(tmp / "tokenizer").vocab_size
         if vocab > cfg.model.vocab_size:
             raise ValueError(f"tokenizer.json: {vocab} tokens, more than config.json vocab_size="
                              f"{cfg.model.vocab_size}")
+        # the model alone: the optimizer a resume builds starts fresh (what a zero state at step 0 is)
         state = {"step": 0, "rng": ckpt.rng_state(), "config": to_dict(cfg), "world_size": 1,
-                 "imported_from": str(hf_dir.absolute()), **extra}
-        dist_checkpoint.save(tmp, 0, model, build_optimizer(model, cfg.train), state)
+                 "imported_from": str(hf_dir.absolute()), "optimizer_state": False, **extra}
+        dist_checkpoint.save(tmp, 0, model, None, state)
         save_config(cfg, tmp / "config.toml")
 
 

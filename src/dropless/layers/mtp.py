@@ -15,7 +15,7 @@ module k sees the first S_k positions only: the last k have no target inside the
 runs causal attention over those S_k positions with rotary positions 0..S_k-1 (the main model's).
 The model adds lambda * mean_k(loss_k) to its loss; `ce_loss` stays the main prediction's alone.
 
-Padding. A right-padded batch (routing replay, train/replay_data.py) marks padded targets with
+Padding. A right-padded batch (routing replay, data/replay.py) marks padded targets with
 IGNORE_INDEX, and module k embeds targets as input tokens: a padded one is embedded as id 0 and its
 position trained on by no module (its target is ignored too), so loss_k is the mean over the real
 (input, target) pairs alone, and a module with none in the batch (every sequence shorter than k + 2
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-IGNORE_INDEX = -100  # F.cross_entropy's ignore_index: a padded target (train/replay_data.py)
+IGNORE_INDEX = -100  # F.cross_entropy's ignore_index: a padded target (data/replay.py)
 
 
 class MTPModule(nn.Module):

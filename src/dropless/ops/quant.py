@@ -69,7 +69,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dropless.ops._fp_formats import (
+from ._fp_formats import (
     E2M1_MAX,
     E4M3_MAX,
     EMAX_ELEM,

@@ -89,7 +89,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def build(args: argparse.Namespace) -> tuple[RunConfig, int, int]:
-    from ..train.run import PRESETS, preset_path
+    from ..runs.presets import PRESETS, preset_path
     device = parse_bytes("--device-memory", args.device_memory)
     if args.world < 1:
         raise ValueError(f"--world {args.world}: must be >= 1")

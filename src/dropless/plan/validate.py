@@ -95,7 +95,7 @@ VARIANTS = ("grid", "offload", "recompute_ep")
 
 
 def case_config(case: str, world: int, dtype: str, extra: tuple[str, ...] = (), ep: bool = True) -> RunConfig:
-    from ..train.run import preset_path
+    from ..runs.presets import preset_path
     over = list(CASES[case]) + (BENCH_SHAPE if case != "tiny" else []) + (WORLD_LAYOUT[world] if ep else [])
     # AdamW: the planner's optimizer bytes are exact for it (Muon's are a stated upper bound)
     over += [f"train.dtype={dtype}", "train.device=cpu", "train.optimizer=adamw", *extra]
@@ -118,6 +118,7 @@ def measure(cfg: RunConfig, steps: int, distributed: bool) -> dict[str, int]:
     """One rank's measured bytes (module note); the trainer's build and step, on random tokens."""
     from ..distributed import comm
     from ..distributed import parallelize as par
+    from ..distributed.mesh import build_meshes
     from ..layers import offload
     from ..model import MoEModel
     from ..train.optim import build_optimizer
@@ -129,7 +130,7 @@ def measure(cfg: RunConfig, steps: int, distributed: bool) -> dict[str, int]:
     names: list[str] = []
     meshes = None
     if distributed:
-        meshes = par.build_meshes(p.ep_size, "cpu")
+        meshes = build_meshes(p.ep_size, "cpu")
         names = par.parallelize_model(model, meshes, p)
     opt = build_optimizer(model, t)
     out: dict[str, int] = {"params": _storage_bytes(list(model.parameters()))}

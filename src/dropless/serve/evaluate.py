@@ -13,8 +13,8 @@ import torch
 
 from ..config import RunConfig
 from ..model import MoEModel
-from ..train.data import eval_batches, load_splits
-from ..train.tokenizer import load_tokenizer
+from ..data.batches import eval_batches, load_splits
+from ..data.tokenizer import load_tokenizer
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 

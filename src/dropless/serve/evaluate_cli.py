@@ -29,9 +29,9 @@ from ..config import ModelConfig, RunConfig, to_dict
 from ..expert_slots import ExpertSlots
 from ..layers.router import RoutingDecision
 from ..model import MoEModel
-from ..train.device import resolve_device
+from ..device import resolve_device
 from .evaluate import DTYPES, val_loss, val_tokens
-from .load import load_model, run_config
+from ..runs.load import load_model, run_config
 from .serving import add_serving_args, normalises, serving_map, serving_top_k, weight_denominator
 
 Setting = tuple[int | None, int | None, str]  # (k1, k2, renorm) as given to serving_map

@@ -52,10 +52,10 @@ import torch
 
 from ..layers.kv_cache import KVCache
 from ..model import MoEModel
-from ..train.device import resolve_device
-from ..train.tokenizer import load_tokenizer
+from ..device import resolve_device
+from ..data.tokenizer import load_tokenizer
 from .evaluate import autocast
-from .load import load_model
+from ..runs.load import load_model
 from .sampling import Sampling, sample_next
 from .serving import add_serving_args, serving_map_from_args
 
@@ -304,7 +304,7 @@ def _write_record(args: argparse.Namespace, model: MoEModel, texts: list[str], t
     """The routing record of a generation: per sequence its tokens (prompt as fed + generated, stop
     string cut) and the ids of every one of them (written atomically by RoutingRecord.save)."""
     from .record_routing import checkpoint_step
-    from .routing_record import RoutingRecord
+    from ..data.routing_record import RoutingRecord
 
     seqs = [(tok.encode(t) or [0]) + ids for t, ids in zip(texts, result.tokens)]
     try:
@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="fp32", help="fp32 | bf16 (autocast; the router stays fp32)")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole context every token")
     p.add_argument("--record-routing", metavar="FILE", help="write every token's expert ids, per MoE "
-                   "layer, as a routing record (serve/routing_record.py)")
+                   "layer, as a routing record (data/routing_record.py)")
     add_serving_args(p)
     args = p.parse_args(argv)
     try:

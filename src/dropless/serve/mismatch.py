@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from .. import atomic
-from .routing_record import RoutingRecord
+from ..data.routing_record import RoutingRecord
 
 _CHUNK = 1 << 16  # tokens per one-hot block: bounds the [T, E] counts at 64k * E int16
 

@@ -2,7 +2,7 @@
 routed experts in 4 bits, and measure what that saves and costs.
 
 Only the MoE layers' `experts.w_gate_up_EDF` / `experts.w_down_EFD` are packed (layers/packed_experts.py
-says which numbers, serve/packed.py the directory format); every other tensor is kept as the checkpoint
+says which numbers, runs/packed.py the directory format); every other tensor is kept as the checkpoint
 stored it. RUN_DIR2 loads with `serve.load.load_model`, so `evaluate` and `generate` run from it.
 
 `--report` (with or without --out) prints, for the original model and each packed one:
@@ -36,10 +36,10 @@ from .. import atomic
 from ..config import RunConfig
 from ..layers.packed_experts import PACKED_FORMATS, check_format
 from ..model import MoEModel
-from ..train.data import eval_batches
-from . import packed
+from ..data.batches import eval_batches
+from ..runs import packed
 from .evaluate import val_loss, val_tokens
-from .load import load_model, run_config
+from ..runs.load import load_model, run_config
 
 BATCH_SIZES = (1, 4, 16)
 
@@ -150,7 +150,7 @@ def format_report(r: dict[str, Any]) -> str:
 
 def quantize_run(run_dir: str | Path, fmt: str, out: str | Path) -> Path:
     """Pack RUN_DIR's latest checkpoint into the run directory `out`; every check comes before any
-    write, and the write is atomic (serve/packed.py)."""
+    write, and the write is atomic (runs/packed.py)."""
     check_format(fmt)  # the format first, before any file is read
     atomic.require_empty_dir(out, "--out")
     if packed.is_packed_run(run_dir):

@@ -32,13 +32,13 @@ from pathlib import Path
 import torch
 
 from ..model import MoEModel
-from ..train.data import eval_batches
-from ..train.device import resolve_device
-from ..train.sinks import Progress
-from ..train.tokenizer import load_tokenizer
+from ..data.batches import eval_batches
+from ..device import resolve_device
+from ..runs.sinks import Progress
+from ..data.tokenizer import load_tokenizer
 from .evaluate import DTYPES, autocast, val_tokens
-from .load import load_model, run_config
-from .routing_record import MAGIC, RoutingRecord
+from ..runs.load import load_model, run_config
+from ..data.routing_record import MAGIC, RoutingRecord
 
 
 def checkpoint_step(run_dir: str | Path) -> int | None:

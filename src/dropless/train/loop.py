@@ -43,24 +43,25 @@ import torch.distributed as dist
 
 from ..config import RunConfig, save_config, to_dict
 from ..distributed import parallelize as par
+from ..distributed.mesh import Meshes, build_meshes
 from ..layers import balance
 from ..distributed.watch import build_watch, watch_step
 from ..model import MoEModel
-from . import checkpoint as ckpt
+from ..runs import checkpoint as ckpt
 from . import compiling
-from . import dist_checkpoint
-from . import device as placement
-from .data import eval_batches, get_batch, load_splits
+from ..runs import dist_checkpoint
+from .. import device as placement
+from ..data.batches import eval_batches, get_batch, load_splits
 from .health import TrainHealth, global_aux_terms
 from .nonfinite import NonFiniteGuard
 from .optim import build_optimizer, step_unless
-from .replay_data import ReplayData
-from .resume import check_resume_config, optimizer_note, report_resume
+from ..data.replay import ReplayData
+from ..runs.resume import check_resume_config, optimizer_note, report_resume
 from .ep_replicas_train import HotReplicas
 from .overflow import OverflowGuard, build_guard
 from .schedule import lr_at
-from .sinks import JsonlLog, Progress, TensorBoard
-from .tokenizer import load_tokenizer
+from ..runs.sinks import JsonlLog, Progress, TensorBoard
+from ..data.tokenizer import load_tokenizer
 
 
 @dataclass
@@ -104,7 +105,7 @@ class Trainer:
         self.rank = dist.get_rank() if self.distributed else 0
         self.is_main = self.rank == 0
         # buffered EP: the shared bound on a micro-batch's tokens; a replayed record's sequences are as
-        # long as model.max_seq_len, not train.seq_len (train/replay_data.py)
+        # long as model.max_seq_len, not train.seq_len (data/replay.py)
         longest = cfg.model.max_seq_len if cfg.data.replay_routing else t.seq_len
         p = cfg.parallel.with_token_bound(t.batch_size * longest)
         if not self.distributed and p.ep_size > 1:
@@ -116,11 +117,11 @@ class Trainer:
             init_weights(self.model)
         self.model = self.model.to(self.device)
         self.param_counts = self.model.num_params()  # before sharding: global counts
-        self.meshes: par.Meshes | None = None
+        self.meshes: Meshes | None = None
         self.expert_names: list[str] = []
         reduce = None
         if self.distributed:
-            self.meshes = par.build_meshes(p.ep_size, self.device.type)
+            self.meshes = build_meshes(p.ep_size, self.device.type)
             self.expert_names = par.parallelize_model(self.model, self.meshes, p)
             reduce = par.dp_all_reduce(self.meshes.dp_group)
         self.comm_watch = build_watch(self.meshes, self.device, p)  # None in one process
@@ -173,8 +174,10 @@ class Trainer:
         saved = dist_checkpoint.trainer_state(path)
         changes = check_resume_config(saved["config"], self.cfg, int(saved["step"]))
         fresh = optimizer_note(changes)  # another optimizer's state is not loaded (resume.py)
+        # an imported model's step-0 checkpoint holds no optimizer state (hf/import_hf.py)
+        with_state = fresh is None and saved.get("optimizer_state", True)
         state = dist_checkpoint.load(path, self.model, self.optimizer, experts=self.expert_names,
-                                     meshes=self.meshes, optimizer_state=fresh is None)
+                                     meshes=self.meshes, optimizer_state=with_state)
         ckpt.set_rng_state(state["rng"])
         self.nonfinite.load_state_dict(state.get("nonfinite", {}))
         self.start_step = int(state["step"])

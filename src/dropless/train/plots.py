@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .sinks import read_jsonl
+from ..runs.sinks import read_jsonl
 
 
 def _pyplot():

@@ -10,7 +10,7 @@ overrides; the weights are loaded into the fresh model before anything else touc
 says which balancing rule is active.
 
 `--replay-routing RECORD` trains on a routing record's sequences with its expert ids (routing replay,
-train/replay_data.py); it is `--set data.replay_routing=RECORD`, so config.toml keeps it for --resume.
+data/replay.py); it is `--set data.replay_routing=RECORD`, so config.toml keeps it for --resume.
 
 Several processes: `--nproc N` re-launches the same command under torchrun
 (`python -m torch.distributed.run --standalone --nproc-per-node N -m dropless.train ...`), with the run
@@ -44,27 +44,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from ..config import RunConfig, from_dict, load_config, to_dict
-from . import checkpoint as ckpt
-from . import resume
+from ..runs.presets import DEFAULT_PRESET, preset_path
+from ..runs import checkpoint as ckpt
+from ..runs import resume
 
-PRESETS = Path(__file__).resolve().parent.parent / "presets"
-DEFAULT_PRESET = "tiny"
 
 if TYPE_CHECKING:
     from .loop import Trainer
-
-
-def preset_path(name: str) -> Path:
-    path = Path(name)
-    if path.suffix == ".toml" or path.exists():
-        if not path.is_file():
-            raise FileNotFoundError(f"--config {name}: no such file")
-        return path
-    candidate = PRESETS / f"{name}.toml"
-    if not candidate.is_file():
-        known = ", ".join(sorted(p.stem for p in PRESETS.glob("*.toml")))
-        raise ValueError(f"--config {name!r}: not a file and not a preset (presets: {known})")
-    return candidate
 
 
 def parser() -> argparse.ArgumentParser:
@@ -135,7 +121,7 @@ def resolve_config(args: argparse.Namespace, path: Path, run_dir: Path, quiet: b
     latest = ckpt.latest_checkpoint(run_dir)
     if latest is None:
         raise FileNotFoundError(f"--resume: no complete checkpoint under {run_dir / ckpt.CHECKPOINT_DIR}")
-    from .dist_checkpoint import trainer_state
+    from ..runs.dist_checkpoint import trainer_state
 
     saved = trainer_state(latest)
     cfg = resume.run_config(run_dir, saved["config"], args.overrides)
@@ -175,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
             run_dir = choose_run_dir(args, path.stem)
             resolve_config(args, path, run_dir)  # a bad config fails here, before N processes start
             return launch(args, argv, run_dir)
-        from ..distributed.parallelize import init_distributed
-        from .device import resolve_device
+        from ..distributed.mesh import init_distributed
+        from ..device import resolve_device
 
         distributed = init_distributed(resolve_device(_device_setting(args, path))[0])
         if distributed:  # rank 0 decides (directory, config) and tells the others, errors included

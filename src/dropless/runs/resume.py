@@ -11,15 +11,8 @@ What may change on resume:
   (layers, heads, widths, activation, norms, positions, shared experts), the router (strategy, score
   function, top-k, groups, the bias buffer, capacity). A checkpoint's weights belong to one network,
   and a change that keeps every shape (top_k, score_func) would load silently and train another
-  model. Such a change is a ValueError naming the field with both values. The exceptions change how
-  the same network is computed or trained, never what it is (`MUTABLE_MODEL_FIELDS`):
-      model.init_std         read only at initialisation: no effect on a resumed run
-      model.moe.backend      the grouped-GEMM implementation (the same math)
-      model.moe.align        the routing plan's row padding (padding rows are never read)
-      model.moe.precision    the expert GEMMs' number format (numerics, like train.dtype)
-      model.moe.balance.*    balancing losses and bias rules (the training objective)
-      model.recompute        which activations are recomputed in the backward (the same bits)
-      model.offload          which activations wait in host memory for the backward (the same bits)
+  model. Such a change is a ValueError naming the field with both values. The exceptions, which
+  change how the same network is computed or trained, never what it is, are listed in fixed_fields.py.
 - `data.tokenizer` and `data.tokenizer_path` are refused as well: the embedding rows are one
   tokenizer's vocabulary (another tokenizer.json would silently train them under other ids).
 - Everything else (train.*, data.*, log.*, parallel.*) may change; each change is printed and written to
@@ -42,24 +35,11 @@ from pathlib import Path
 from typing import Any
 
 from ..config import RunConfig, apply_overrides, from_dict, load_config, to_dict
+from ..fixed_fields import MUTABLE_MODEL_FIELDS, flatten, is_fixed
 
-MUTABLE_MODEL_FIELDS = ("model.init_std", "model.moe.backend", "model.moe.align", "model.moe.precision",
-                        "model.moe.balance.", "model.recompute",
-                        "model.offload")  # a trailing dot: the whole section
-FIXED_FIELDS_OUTSIDE_MODEL = ("data.tokenizer", "data.tokenizer_path")
 CONFIG_FILE = "config.toml"
 
 Changes = dict[str, tuple[Any, Any]]  # dotted field -> (checkpoint's value, new value)
-
-
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
-    return out
 
 
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> Changes:
@@ -68,15 +48,6 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> Changes:
     a = flatten(to_dict(from_dict(RunConfig, old)))
     b = flatten(to_dict(from_dict(RunConfig, new)))
     return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
-
-
-def is_fixed(name: str) -> bool:
-    """Whether a resumed run may not change field `name` (see the module note)."""
-    if name in FIXED_FIELDS_OUTSIDE_MODEL:
-        return True
-    if not name.startswith("model."):
-        return False
-    return not any(name == m or (m.endswith(".") and name.startswith(m)) for m in MUTABLE_MODEL_FIELDS)
 
 
 def check_resume_config(saved: dict[str, Any], cfg: RunConfig, step: int) -> Changes:

@@ -27,7 +27,7 @@ tokens uint8 for byte vocabularies, else int32. The body's length and CRC-32 are
 truncated or damaged file is refused instead of read as shifted ids.
 
 `config_hash` is a short hash of the model fields that define the network and how it routes (the
-fields a resumed run may not change, train/resume.py): two runs' records share it exactly when their
+fields a resumed run may not change, runs/resume.py): two runs' records share it exactly when their
 ids mean the same experts of the same architecture. The trainer checks the fields it needs (layers,
 K, E, identity experts, vocabulary) by name; the hash and step are for people tracing which policy
 produced a record.
@@ -69,8 +69,8 @@ def token_dtype(vocab_size: int) -> str:
 
 
 def config_hash(cfg: ModelConfig) -> str:
-    """16 hex digits of sha256 over the model fields a resumed run may not change (resume.is_fixed)."""
-    from ..train.resume import flatten, is_fixed
+    """16 hex digits of sha256 over the model fields a resumed run may not change (fixed_fields.is_fixed)."""
+    from ..fixed_fields import flatten, is_fixed
 
     fixed = {k: v for k, v in flatten(to_dict(cfg), "model.").items() if is_fixed(k)}
     return hashlib.sha256(json.dumps(fixed, sort_keys=True).encode()).hexdigest()[:16]

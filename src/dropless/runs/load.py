@@ -1,7 +1,7 @@
 """Load a trained run's model for inference: the latest complete checkpoint, all E experts on one
 device, whatever world size wrote it.
 
-A run directory written by `dropless quantize` (4-bit routed experts, serve/packed.py) loads the
+A run directory written by `dropless quantize` (4-bit routed experts, runs/packed.py) loads the
 same way: its config and a model whose MoE layers hold `PackedExperts`.
 
 `model_cfg` (optional) maps the run's ModelConfig to the one to build (serving-time changes that keep
@@ -17,7 +17,7 @@ import torch
 
 from ..config import ModelConfig, RunConfig, from_dict
 from ..model import MoEModel
-from ..train import checkpoint as ckpt
+from . import checkpoint as ckpt
 from . import packed
 
 
@@ -30,7 +30,7 @@ def run_config(run_dir: str | Path) -> tuple[RunConfig, Path]:
     if path is None:
         raise FileNotFoundError(f"no complete checkpoint under {Path(run_dir) / 'checkpoints'}")
     if ckpt.is_dcp_checkpoint(path):
-        from ..train import dist_checkpoint
+        from . import dist_checkpoint
 
         return from_dict(RunConfig, dist_checkpoint.trainer_state(path)["config"]), path
     return from_dict(RunConfig, ckpt.load_checkpoint(path)["config"]), path
@@ -48,7 +48,7 @@ def load_model(run_dir: str | Path, device: torch.device | str = "cpu",
         return packed.load_packed(run_dir, cfg, device), cfg
     model = MoEModel(cfg.model)
     if ckpt.is_dcp_checkpoint(path):
-        from ..train import dist_checkpoint
+        from . import dist_checkpoint
 
         dist_checkpoint.load_full_model(path, model)
     else:

@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
-from ..distributed.parallelize import Meshes
+from ..distributed.mesh import Meshes
 from . import checkpoint as ckpt
 
 TRAINER_FILE = "trainer.pt"
@@ -114,11 +114,12 @@ def _dcp(fn: Callable, state: dict, path: Path, distributed: bool) -> None:
         fn(state, checkpoint_id=str(path), no_dist=True)
 
 
-def save(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def save(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
          trainer_state: dict[str, Any], *, experts: Sequence[str] = (), meshes: Meshes | None = None,
          keep_last: int | None = None) -> Path:
     """Write checkpoint `step`. With `meshes` (several processes) it is collective: every rank calls it
-    and gets the published folder; without, one process saves alone."""
+    and gets the published folder; without, one process saves alone. `optimizer` None writes the
+    model alone (an imported checkpoint: its trainer state says `"optimizer_state": False`)."""
     distributed = meshes is not None
     rank = dist.get_rank() if distributed else 0
     # Every rank must name the same folder: a fixed tag when several write it, the pid for one writer.

@@ -48,8 +48,8 @@ import torch
 
 from ..config import RunConfig
 from ..expert_slots import ExpertSlots
-from ..serve.routing_record import VARIABLE_COUNT_STRATEGIES, RoutingRecord
-from .device import to_device
+from .routing_record import VARIABLE_COUNT_STRATEGIES, RoutingRecord
+from ..device import to_device
 
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
 

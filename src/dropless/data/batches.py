@@ -20,7 +20,7 @@ Design notes
 - `eval_batches` uses fixed non-overlapping windows spread evenly over the split, so a
   `max_batches` budget still sees the whole validation set rather than its first files.
 - The splits stay in host memory (a corpus can be larger than a GPU); a batch is drawn there and
-  then moved to `device` (through pinned memory, asynchronously, on CUDA: train/device.py). The draw
+  then moved to `device` (through pinned memory, asynchronously, on CUDA: device.py). The draw
   uses a CPU generator whatever the device, so every device sees the same batches.
 - If the by-document split leaves a side empty (one input file, or a handful of documents), the
   split falls back to the token stream: the last `val_fraction` of all tokens is validation.
@@ -34,14 +34,9 @@ from pathlib import Path
 
 import torch
 
-from dropless.train.corpus import (
-    Document,
-    read_documents,
-    split_documents,
-    stdlib_documents,
-)
-from dropless.train.device import to_device
-from dropless.train.tokenizer import ByteTokenizer, Tokenizer
+from .corpus import Document, read_documents, split_documents, stdlib_documents
+from ..device import to_device
+from .tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = [
     "SEPARATOR",

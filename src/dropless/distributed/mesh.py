@@ -1,0 +1,69 @@
+"""The process group and the device mesh of a run: torchrun's environment in, the (edp, ep) mesh out.
+
+Live objects (process groups), never config: `Meshes` is built once by the trainer and handed to
+whatever needs the groups (parallelize.py, the collective watch, checkpoints).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+def init_distributed(device: torch.device) -> bool:
+    """Initialise the default process group from torchrun's environment (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT) for the trainer's device (device.py decides it: cuda:LOCAL_RANK
+    under torchrun): NCCL on CUDA, gloo on the CPU, even where CUDA exists. Returns False (and does
+    nothing) outside torchrun."""
+    if dist.is_initialized():
+        return True
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return False
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+    return True
+
+
+@dataclass(frozen=True)
+class Meshes:
+    """The live meshes of one run (not config: holds process groups)."""
+
+    mesh: DeviceMesh  # (edp, ep)
+    dp: DeviceMesh  # 1-D, all ranks
+    expert_ckpt: DeviceMesh  # (ep, edp): the global layout of the expert tensors, for checkpoints
+
+    @property
+    def world(self) -> int:
+        return self.dp.size()
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group("ep")
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.dp.get_group()
+
+
+def build_meshes(ep_size: int, device_type: str) -> Meshes:
+    """The (edp, ep) mesh over the default group, on the trainer's device type ("cuda" or "cpu");
+    ep_size must divide the world size."""
+    world = dist.get_world_size()
+    if world % ep_size:
+        raise ValueError(f"parallel.ep_size={ep_size} does not divide the world size {world}")
+    dev = device_type
+    mesh = init_device_mesh(dev, (world // ep_size, ep_size), mesh_dim_names=("edp", "ep"))
+    dp = init_device_mesh(dev, (world,), mesh_dim_names=("dp",))
+    expert_ckpt = DeviceMesh(dev, mesh.mesh.t().contiguous(), mesh_dim_names=("ep", "edp"))
+    return Meshes(mesh, dp, expert_ckpt)

@@ -1,0 +1,1 @@
+"""The run directory: presets, checkpoints, resume rules, logs, loading."""
