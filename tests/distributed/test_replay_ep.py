@@ -12,6 +12,7 @@ import torch
 
 from dist_harness import run_world
 from dropless.data.routing_record import RoutingRecord
+from dropless.model import MoEModel
 from dropless.train.loop import Trainer
 from tiny_run import tiny
 
@@ -25,7 +26,7 @@ def _record(path: Path) -> None:
     cfg = tiny(*CFG).model
     seqs = [torch.arange(30) * 7 % 256 + i for i in range(4)]
     ids = [torch.arange(cfg.moe.top_k).expand(cfg.n_moe_layers, 30, cfg.moe.top_k) for _ in seqs]
-    RoutingRecord.for_model(cfg, seqs, ids, "hand-made").save(path)
+    RoutingRecord.for_model(MoEModel(cfg), seqs, ids, "hand-made").save(path)
 
 
 def _train(rank: int, world: int, run_dir: Path, record: Path) -> None:
