@@ -78,3 +78,9 @@ def test_dotted_overrides() -> None:
         apply_overrides(MoEConfig(), ["top_k=x"])
     with pytest.raises(ValueError, match="top_k=99"):
         apply_overrides(MoEConfig(), ["top_k=99"])
+
+
+@pytest.mark.parametrize("item", ["=3", "router.=1", ".top_k=2"])
+def test_override_with_an_empty_name_says_so(item: str) -> None:
+    with pytest.raises(ValueError, match="empty name"):
+        apply_overrides(MoEConfig(), [item])

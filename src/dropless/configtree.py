@@ -111,6 +111,8 @@ def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
             raise ValueError(f"override {item!r}: expected dotted.name=value")
         path, text = item.split("=", 1)
         keys = path.strip().split(".")
+        if not all(keys):
+            raise ValueError(f"override {item!r}: expected dotted.name=value (an empty name in {path!r})")
         cls: Any = type(cfg)
         node = data
         for i, key in enumerate(keys):
