@@ -60,8 +60,11 @@ def test_export_writes_what_transformers_4x_reads(tmp_path: Path, case: str) -> 
     for key in KEYS_4X[family]:
         assert key in ours, f"{case}: {key} is missing (transformers 4.x would take its default)"
         assert as_4x_reads(key, ours[key], ours) == as_4x_reads(key, ref.get(key), ref), f"{case}: {key}"
+    # the weights' dtype: 4.x reads `torch_dtype` (a loader's dtype="auto" follows it), 5.x `dtype`
+    assert ours.get("torch_dtype") == ours["dtype"], f"{case}: torch_dtype is missing (4.x loads its default)"
     five = transformers.AutoConfig.from_pretrained(tmp_path / "out")
     assert five.rope_parameters == CASES[case]().rope_parameters
+    assert str(five.dtype).removeprefix("torch.") == ours["dtype"]
 
 
 @pytest.mark.parametrize("case", CASES)

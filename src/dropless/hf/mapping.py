@@ -211,7 +211,9 @@ def hf_config(cfg: ModelConfig, family: str, dtype: str = "float32") -> dict[str
     E, F, _ = moe[0].experts.w_down_EFD.shape
     dense = [b.ffn for b in model.blocks if not b.is_moe]
     out: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[family]], "model_type": family, "dtype": dtype,
+        "architectures": [ARCHITECTURES[family]], "model_type": family,
+        # transformers 5 reads `dtype`; 4.x (the extra allows >=4.51) reads `torch_dtype`, which 5 accepts too
+        "dtype": dtype, "torch_dtype": dtype,
         "vocab_size": V, "hidden_size": D, "num_hidden_layers": len(model.blocks),
         "num_attention_heads": attn.n_heads, "num_key_value_heads": getattr(attn, "n_kv_heads", attn.n_heads),
         "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "initializer_range": cfg.init_std,
