@@ -7,11 +7,14 @@ what it issued and the last `keep` entries; `divergence(reports)` compares the r
 log's `report()`, gathered outside any process group: distributed/watch.py) and says, in one message
 that every rank computes identically, the first collective where they differ and where each rank is.
 
-What goes into the digest is what every rank must agree on: the operation, the group (its role,
-"ep" / "dp" / ..., and its global ranks), the dtype and the shape, except that a variable-split
+What goes into the digest is what every rank must agree on: the operation, the group's layout (its
+role, "ep" / "dp" / ..., and its size), the dtype and the shape, except that a variable-split
 all-to-all hashes only its trailing dimensions and number of splits (its row counts differ per rank
-by design). Its splits are kept in the entry, so a diagnosis can check them across ranks: what rank
-a sends to rank b must be what b expects from a.
+by design). Not the group's members: when the world holds several groups of one role (world >
+ep_size: EP groups [0, 1] and [2, 3], or one EP group of one rank per rank at ep_size 1), each rank
+issues on its own group, and their members differ by design. The members are kept in the entry for
+the diagnosis (which collective, on whom), as are the splits, so a diagnosis can check them across
+ranks: what rank a sends to rank b must be what b expects from a.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ class Entry:
     step: int
     op: str  # "all_to_all", "all_reduce"
     group: str  # role name ("ep", "dp", "world", ...)
-    ranks: tuple[int, ...]  # global ranks of the group, in group-rank order
+    ranks: tuple[int, ...]  # global ranks of the group, in group-rank order (hashed: their number)
     dtype: str
     shape: tuple[int, ...]  # hashed (a variable all-to-all: its trailing dims only)
     out_splits: tuple[int, ...] | None = None  # rows received from each group rank (logged, not hashed)
@@ -38,7 +41,8 @@ class Entry:
     digest: str = ""  # the rank's running digest after this entry
 
     def key(self) -> str:
-        return f"{self.op}|{self.group}|{','.join(map(str, self.ranks))}|{self.dtype}|{self.shape}"
+        """What the digest hashes (module note): the group's role and size, not its members."""
+        return f"{self.op}|{self.group}|{len(self.ranks)}|{self.dtype}|{self.shape}"
 
     def describe(self) -> str:
         text = f"#{self.seq} " if self.seq >= 0 else ""  # -1: not recorded (fingerprints off)

@@ -10,10 +10,10 @@ backward, and the data-parallel reductions of distributed/parallelize.py) go thr
   an event pair on the current stream around each call, read only when the log interval asks for
   the figure (`take_a2a_ms`, at the log step's existing sync): no new host sync inside a step.
 - **Fingerprints** (`parallel.check_collectives`): every watched collective is recorded before it
-  is issued (fingerprint.py: op, group, dtype and shape into a running digest; the last 256 kept).
-  At check steps the ranks compare digests through the rendezvous store, outside every process
-  group, so a rank that is one collective ahead or behind cannot make the comparison itself hang
-  or pair up wrongly; a difference raises `CollectiveMismatchError` on every rank, naming the first
+  is issued (fingerprint.py: op, the group's role and size, dtype and shape into a running digest;
+  the last 256 kept). At check steps the ranks compare digests through the rendezvous store,
+  outside every process group, so a rank that is one collective ahead or behind cannot make the
+  comparison itself hang or pair up wrongly; a difference raises `CollectiveMismatchError` on every rank, naming the first
   collective where the ranks differ.
 - **Timeouts** (`parallel.collective_timeout_s`): set on every process group of the run (the
   default group and the mesh's), so a collective a peer never joins fails after that time instead of

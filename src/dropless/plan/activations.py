@@ -35,12 +35,14 @@ with its offload scopes, whose saved-tensor hooks are inner to the counter's and
 inside them (so the counter sees only what stays on the device), and the block's offload counter adds
 up what they move (`bytes_to_host`: the host bytes of the micro-batch). On fake tensors the host copy
 is a stand-in that records the storage's size and allocates nothing (fake_world.py, with the other
-stand-ins: the fp32 grouped GEMM, and attention with value heads narrower than the query heads,
-which MLA has).
+stand-ins: the fp32 grouped GEMM, the expert GEMMs that read their group ends on the host (the
+`loop` backend, the low-precision recipes: run with ends of the planner's own), and attention with
+value heads narrower than the query heads, which MLA has).
 
 Expert parallelism changes only the expert GEMMs' row count (R: the received rows, which in the
 buffered mode are the fixed buffer of factor x the balanced need), so the MoE block is measured on one
-device and its experts' share is replaced: minus the experts on the local T*K rows as the one-device
+device and its experts' share is replaced: minus the experts on the local rows (T*K, each group
+padded to the dispatcher's alignment: a low-precision recipe's token block) as the one-device
 dispatcher runs them (with a row source: the lean experts keep a reference to the token rows, no
 rows), plus the L local experts on R rows as the EP dispatcher runs them (no row source: the lean
 experts keep the R received rows, D wide, in the compute dtype), both measured on fake tensors the
@@ -53,7 +55,7 @@ are offloaded (`layer`, `moe`, `experts`), else into the device bytes.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterator
 
 import torch
@@ -161,15 +163,6 @@ def _held_outputs(out: Any) -> list[torch.Tensor]:
     if moe is None:
         return []
     return [t for f in fields(moe) for t in tree_flatten(getattr(moe, f.name))[0] if isinstance(t, torch.Tensor)]
-
-
-def _plannable(cfg: ModelConfig) -> ModelConfig:
-    """The config with the expert backend that runs on fake tensors: `loop` reads the group offsets
-    on the host; grouped_mm keeps the same operands."""
-    moe = cfg.moe
-    if moe.capacity_factor is None and moe.backend in ("auto", "loop"):
-        moe = replace(moe, backend="grouped_mm")
-    return replace(cfg, moe=moe)
 
 
 def _stream(model: MoEModel, batch: int, seq_len: int) -> torch.Tensor:
@@ -282,7 +275,7 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, bf16: bool,
     parallelism, None on one device (module note)."""
     T = batch * seq_len
     with fake_world():
-        model = MoEModel(_plannable(cfg))
+        model = MoEModel(cfg)
         moe_blocks = [b for b in model.blocks if b.is_moe]
         dense_blocks = [b for b in model.blocks if not b.is_moe]
         n_moe, n_dense = len(moe_blocks), len(dense_blocks)
@@ -291,9 +284,13 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, bf16: bool,
         where = experts_kept_on(cfg)
         if n_moe and ep_rows is not None and where != "recomputed":
             L, R = ep_rows
-            E, K = moe_blocks[0].ffn.slots.routed, cfg.moe.top_k
-            experts = moe_blocks[0].ffn.experts
-            delta = expert_bytes(experts, L, R, bf16) - expert_bytes(experts, E, T * K, bf16, local=True)
+            layer = moe_blocks[0].ffn
+            E, K = layer.slots.routed, cfg.moe.top_k
+            # the rows the one-device plan gave the experts: every pair, each group padded to the
+            # dispatcher's alignment (a low-precision token block: ops/permute.py's static bound)
+            local_rows = T * K + E * (layer.dispatcher.align - 1)
+            delta = (expert_bytes(layer.experts, L, R, bf16)
+                     - expert_bytes(layer.experts, E, local_rows, bf16, local=True))
             if where == "host":
                 moe_host += delta
             else:

@@ -3,6 +3,12 @@
 in training, and every op's autograd saves what it would save. Where a CPU kernel would keep other
 tensors than the accelerator's, or has no fake implementation, a stand-in takes its place:
 - grouped_mm in fp32 (torch's meta kernel takes bf16 only): `_GroupedMMStandIn`;
+- the ops that read the expert group ends on the host (the `loop` backend's per-expert GEMMs,
+  `grouped_mm_reference`, and every low-precision recipe's emulated GEMM, `quant_grouped_mm`): a
+  fake tensor holds no values, so the real op runs with group ends of the planner's own, every
+  whole token block of rows in the first expert (`_host_ends`). What these ops keep for the
+  backward does not depend on the ends: the loop's slices are views of the rows and of the
+  weights, and the recipes keep their unquantised operands whole;
 - layers/offload.py's host copies: counted, not made (`_HostCopyStandIn`, `_pack_fake`);
 - attention whose value heads are narrower than its query/key heads (MLA: 192 and 128 in
   DeepSeek-V3): the CPU has no fused kernel for it and its math path keeps an [S, S] matrix per
@@ -19,10 +25,10 @@ from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 
 from ..layers import offload as offload_mod
-from ..ops import grouped_gemm
+from ..ops import grouped_gemm, quant_gemm
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -49,6 +55,28 @@ def _grouped_mm_any_dtype(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor |
     if a.dtype == torch.bfloat16:
         return torch._grouped_mm(a, b, offs=offs, **kwargs)
     return _GroupedMMStandIn.apply(a, b, offs)
+
+
+def _host_ends(rows_RD: torch.Tensor, num_experts: int, block: int = 1) -> torch.Tensor:
+    """Group ends a host read can take (a real tensor: fake ones hold no values): every whole
+    `block` of the rows in the first group, the others empty (module note)."""
+    rows = rows_RD.shape[0]
+    with unset_fake_temporarily():
+        return torch.full((num_experts,), rows - rows % block, dtype=torch.int32)
+
+
+_real_loop_mm = grouped_gemm.grouped_mm_reference
+_real_quant_mm = quant_gemm.quant_grouped_mm
+
+
+def _loop_mm_fake(x_RD: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    return _real_loop_mm(x_RD, w_EDF, _host_ends(x_RD, w_EDF.shape[0]))
+
+
+def _quant_mm_fake(x_RD: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor,
+                   precision: str) -> torch.Tensor:
+    ends = _host_ends(x_RD, w_EDF.shape[0], quant_gemm.recipe(precision).token_block)
+    return _real_quant_mm(x_RD, w_EDF, ends, precision)
 
 
 class _HostCopyStandIn:
@@ -106,6 +134,8 @@ def fake_world() -> Iterator[None]:
     """Fake tensors on the 'cpu', with the stand-ins of the module note in place."""
     real, real_copy = grouped_gemm._grouped_mm, offload_mod._HostCopy
     grouped_gemm._grouped_mm = _grouped_mm_any_dtype
+    grouped_gemm.grouped_mm_reference = _loop_mm_fake
+    quant_gemm.quant_grouped_mm = _quant_mm_fake
     offload_mod._HostCopy = _HostCopyStandIn
     offload_mod.OffloadScope.pack = _pack_fake
     F.scaled_dot_product_attention = _sdpa
@@ -114,6 +144,8 @@ def fake_world() -> Iterator[None]:
             yield
     finally:
         grouped_gemm._grouped_mm = real
+        grouped_gemm.grouped_mm_reference = _real_loop_mm
+        quant_gemm.quant_grouped_mm = _real_quant_mm
         offload_mod._HostCopy = real_copy
         offload_mod.OffloadScope.pack = _real_pack
         F.scaled_dot_product_attention = _real_sdpa
