@@ -25,7 +25,7 @@ counted otherwise than the planner counts them:
 The busiest rank's figure (max over ranks) is compared with the planner's (`plan.model.plan`) for
 the same config; the ratio predicted / measured must lie in [0.9, 1.1] for every component.
 
-Cases: `tiny` is the preset (4 blocks, d=256, 8 experts top-2, 16 x 256 tokens); `small` and
+Cases: `tiny` is the preset (4 blocks, d=256, 16 experts top-2, 16 x 256 tokens); `small` and
 `medium` are the `bench layer` shapes (T=4096 as 16 x 256, d=512/1024, 64 experts top-8, f=256/512,
 d/64 heads) as a 2-block model (one dense block, one MoE block). Routing is the model's own
 token-choice router at initialisation (not `forced_balance`, whose K consecutive experts per token
