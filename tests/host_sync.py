@@ -55,12 +55,12 @@ class Allowance:
 
 
 # EP exact mode sizes its all-to-alls from the exchanged counts: one host read of the split sizes per
-# layer call, the mode's documented cost (docs/design.md, "Dropless guarantees, per mode"). Both reads
-# are made in EPDispatcher.dispatch_overlapped, which dispatch() runs.
-EP_EXACT_SPLIT_SIZES = Allowance("dropless/distributed/ep.py", "dispatch_overlapped",
+# layer call, the mode's documented cost (docs/design.md, "Dropless guarantees, per mode"), made in
+# ep_exchange.dispatch, which every EP dispatch runs.
+EP_EXACT_SPLIT_SIZES = Allowance("dropless/distributed/ep_exchange.py", "dispatch",
                                  "EP exact mode reads the all-to-all split sizes, once per layer call")
 # EP buffered mode with on_overflow="spill": one int of the exchanged overflow total decides, on every
-# rank alike, whether the second exchange runs (distributed/ep.py, the mode's one host read).
+# rank alike, whether the second exchange runs (EPDispatcher.dispatch_overlapped, the mode's one host read).
 EP_SPILL_TOTAL = Allowance("dropless/distributed/ep.py", "dispatch_overlapped",
                            "buffered EP with spill reads the group's overflow total, once per layer call")
 

@@ -36,7 +36,8 @@ from torch.utils.checkpoint import checkpoint
 
 from .. import atomic
 from ..cpu_alloc import keep_freed_memory
-from ..distributed.ep import EPDispatcher, EPMeta, link_capacity
+from ..distributed.ep import EPDispatcher, link_capacity
+from ..distributed.ep_exchange import EPMeta
 from ..layers.router import RoutingDecision
 from . import ep_scenarios
 from .timing import format_table, interleaved

@@ -9,7 +9,7 @@ T tokens on this rank, K slots per token, D model width.
     C   per-link pair capacity (buffered mode); Cr per-link row capacity (de-dup)
 
 Everything here is fixed-size device arithmetic (sorts, binary searches, cumulative sums, gathers):
-no collectives and no host reads, so ep.py decides alone where the protocol syncs. Combine's
+no collectives and no host reads, so ep_exchange.py and ep.py decide alone where the protocol syncs. Combine's
 per-target sums (`BagSum`) live here too: they are the layout's adjoint.
 """
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,8 @@ from ..layers.experts import ExpertBatch
 from ..layers.moe import MoELayer
 from ..layers.router import RoutingDecision
 from . import comm
-from .ep import EPDispatcher, EPMeta
+from .ep import EPDispatcher
+from .ep_exchange import EPMeta
 
 GOLDEN = (math.sqrt(5) - 1) / 2
 WEIGHTS = ("w_gate_up_EDF", "w_down_EFD")
@@ -120,15 +121,20 @@ class ReplicatedDispatcher:
         self.replicas = replicas
         self.tables = slot_tables(replicas, self.slots, device)
 
-    def dispatch(self, x_TD: torch.Tensor, decision: RoutingDecision) -> tuple[ExpertBatch, EPMeta]:
-        ids = virtual_ids(decision.ids_TK, self.tables)
-        return self.inner.dispatch(x_TD, replace(decision, ids_TK=ids))
-
     @property
     def overlap_shared(self) -> bool:
         return self.inner.overlap_shared
 
-    def dispatch_overlapped(self, x_TD: torch.Tensor, decision: RoutingDecision, during: Any
+    @property
+    def allows_decode_path(self) -> bool:
+        return False  # the pairs travel to the ranks that hold their experts
+
+    def dispatch(self, x_TD: torch.Tensor, decision: RoutingDecision) -> tuple[ExpertBatch, EPMeta]:
+        ids = virtual_ids(decision.ids_TK, self.tables)
+        return self.inner.dispatch(x_TD, replace(decision, ids_TK=ids))
+
+    def dispatch_overlapped(self, x_TD: torch.Tensor, decision: RoutingDecision,
+                            during: Callable[[], torch.Tensor] | None
                             ) -> tuple[ExpertBatch, EPMeta, torch.Tensor | None]:
         ids = virtual_ids(decision.ids_TK, self.tables)
         return self.inner.dispatch_overlapped(x_TD, replace(decision, ids_TK=ids), during)
@@ -146,8 +152,7 @@ def replicate_layer(layer: MoELayer, group: ProcessGroup | None, spare: int) -> 
     if spare < 1:
         raise ValueError(f"spare={spare}: must be >= 1")
     slots = layer.slots.with_spare(spare)
-    virt = object.__new__(EPDispatcher)
-    virt.__dict__.update(inner.__dict__, num_experts=slots.physical, num_local=slots.local_slots)
+    virt = inner.plain(num_experts=slots.physical)  # L + S groups per rank
     with torch.no_grad():
         for name in WEIGHTS:
             w = getattr(layer.experts, name)
@@ -214,6 +219,40 @@ def sync_replica_grads(layer: MoELayer, group: ProcessGroup | None) -> None:
 
 # -- replicas for the trainer: copies fetched from their owners, not parameters ---------------------
 
+@dataclass(frozen=True)
+class Placement:
+    """One placement of the copies, as one rank's tables (the same replicas on every rank)."""
+
+    replicas: tuple[Replica, ...]
+    tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # `virtual_ids`' tables
+    send_idx: torch.Tensor  # own experts whose weights this rank sends, by destination
+    send_splits: tuple[int, ...]
+    recv_splits: tuple[int, ...]
+    slot_row: torch.Tensor  # received row of each spare slot (the zero row when it holds no copy)
+    expert_of_group: torch.Tensor  # DispatchMeta.expert_of_group: the expert of each of the L+S groups
+
+    @classmethod
+    def build(cls, replicas: tuple[Replica, ...], slots: ExpertSlots, me: int, device: torch.device) -> "Placement":
+        """Host tables, nothing moves."""
+        P, L, S = slots.ep_size, slots.local, slots.spare
+        order = sorted(replicas, key=lambda r: (r.rank, r.slot))
+        mine = [r for r in order if r.expert // L == me]  # copies this rank's experts feed, by destination
+        got = sorted((r for r in replicas if r.rank == me), key=lambda r: (r.expert // L, r.slot))
+        row = {r.slot: i for i, r in enumerate(got)}
+        E = slots.routed  # a spare slot without a copy: the index past the routed experts
+        groups = list(range(me * L, (me + 1) * L)) + [E] * S
+        for r in got:
+            groups[L + r.slot] = r.expert
+        def ints(v: list[int]) -> torch.Tensor:
+            return torch.tensor(v, dtype=torch.int64, device=device)
+
+        return cls(replicas, slot_tables(replicas, slots, device), ints([r.expert % L for r in mine]),
+                   tuple(sum(r.rank == d for r in mine) for d in range(P)),
+                   tuple(sum(r.expert // L == o for r in got) for o in range(P)),
+                   ints([row.get(s, len(got)) for s in range(S)]), ints(groups))
+
+
+@dataclass(eq=False, kw_only=True)
 class HotReplicaDispatcher(EPDispatcher):
     """The EP dispatcher over P*(L+S) virtual slots whose copies are fetched, not kept.
 
@@ -226,7 +265,16 @@ class HotReplicaDispatcher(EPDispatcher):
     copies, counted once, and the copies are the owner's weights at every step by construction (no
     state to keep identical). Cost per layer call: the copies' weights out and their gradients back
     (R expert weights each way, summed over ranks), plus a [L+S, ...] concatenation of the weights.
+    Its variants (`exact`, `worst_case`) keep the placement.
     """
+
+    slots: ExpertSlots  # the layer's, with its spare slots set
+    placement: Placement | None = None  # None: no copies yet (built on the CPU)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.placement is None:
+            self.placement = Placement.build((), self.slots, self.rank, torch.device("cpu"))
 
     @classmethod
     def wrap(cls, inner: EPDispatcher, slots: ExpertSlots) -> "HotReplicaDispatcher":
@@ -236,43 +284,30 @@ class HotReplicaDispatcher(EPDispatcher):
         if (slots.ep_size, slots.local) != (inner.ep_size, inner.num_local):
             raise ValueError(f"slots of {slots.ep_size} ranks x {slots.local} experts for a dispatcher of "
                              f"{inner.ep_size} ranks x {inner.num_local}")
-        d = object.__new__(cls)
-        d.__dict__.update(inner.__dict__, num_experts=slots.physical, num_local=slots.local_slots)
-        d.slots = slots
-        d.set_replicas((), torch.device("cpu"))
-        return d
+        return cls(**{**inner.settings(), "num_experts": slots.physical}, slots=slots)
+
+    @property
+    def replicas(self) -> tuple[Replica, ...]:
+        return self.placement.replicas
 
     def set_replicas(self, replicas: tuple[Replica, ...], device: torch.device) -> None:
         """Install a placement (the same on every rank of the group): host tables, nothing moves."""
-        P, L, S, me = self.ep_size, self.slots.local, self.slots.spare, self.rank
-        self.replicas = replicas
-        self.tables = slot_tables(replicas, self.slots, device)
-        order = sorted(replicas, key=lambda r: (r.rank, r.slot))
-        mine = [r for r in order if r.expert // L == me]  # copies this rank's experts feed, by destination
-        self.send_idx = torch.tensor([r.expert % L for r in mine], dtype=torch.int64, device=device)
-        self.send_splits = tuple(sum(r.rank == d for r in mine) for d in range(P))
-        got = sorted((r for r in replicas if r.rank == me), key=lambda r: (r.expert // L, r.slot))
-        self.recv_splits = tuple(sum(r.expert // L == o for r in got) for o in range(P))
-        row = {r.slot: i for i, r in enumerate(got)}
-        self.slot_row = torch.tensor([row.get(s, len(got)) for s in range(S)], dtype=torch.int64, device=device)
-        E = self.slots.routed  # a spare slot without a copy: the index past the routed experts
-        groups = list(range(me * L, (me + 1) * L)) + [E] * S
-        for r in got:
-            groups[L + r.slot] = r.expert
-        self.expert_of_group = torch.tensor(groups, dtype=torch.int64, device=device)
+        self.placement = Placement.build(replicas, self.slots, self.rank, device)
 
     def _fetch(self, w: torch.Tensor) -> torch.Tensor:
-        if not self.replicas:  # every rank knows: no collective
+        p = self.placement
+        if not p.replicas:  # every rank knows: no collective
             return torch.cat([w, w.new_zeros((self.slots.spare, *w.shape[1:]))])
-        sent = w.index_select(0, self.send_idx)
-        got = comm.all_to_all(sent, self.recv_splits, self.send_splits, self.group, zero_row=True)
-        return torch.cat([w, got.index_select(0, self.slot_row)])
+        sent = w.index_select(0, p.send_idx)
+        got = comm.all_to_all(sent, p.recv_splits, p.send_splits, self.group, zero_row=True)
+        return torch.cat([w, got.index_select(0, p.slot_row)])
 
     def grow(self, w_up: torch.Tensor, w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._fetch(w_up), self._fetch(w_down)
 
-    def dispatch_overlapped(self, x_TD: torch.Tensor, decision: RoutingDecision, during: Any
+    def dispatch_overlapped(self, x_TD: torch.Tensor, decision: RoutingDecision,
+                            during: Callable[[], torch.Tensor] | None
                             ) -> tuple[ExpertBatch, EPMeta, torch.Tensor | None]:
-        ids = virtual_ids(decision.ids_TK, self.tables)
+        ids = virtual_ids(decision.ids_TK, self.placement.tables)
         batch, meta, extra = super().dispatch_overlapped(x_TD, replace(decision, ids_TK=ids), during)
-        return replace(batch, grow=self.grow), replace(meta, expert_of_group=self.expert_of_group), extra
+        return replace(batch, grow=self.grow), replace(meta, expert_of_group=self.placement.expert_of_group), extra

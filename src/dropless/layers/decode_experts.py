@@ -32,8 +32,8 @@ Applies only where the layer is a plain single-device dropless layer in its weig
 (the quantised recipes quantise per expert group), no autocast (the grouped path casts all E
 matrices to the autocast dtype; doing that here would cost more than it saves), no capacity layout
 (it drops pairs by position in the expert's group), token-choice-shaped decisions (no validity
-mask), a local dispatcher (expert parallel moves pairs between ranks), and no detailed statistics
-(they read the expert-ordered rows).
+mask), a dispatcher that allows it (`Dispatcher.allows_decode_path`: the local dropless one; expert
+parallel moves pairs between ranks), and no detailed statistics (they read the expert-ordered rows).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from ..ops import quant_gemm
 from ..ops.autocast import autocast_available
 from ..ops.activations import activation, weighted_swiglu
-from .dispatch import DispatchMeta, LocalDispatcher
+from .dispatch import DispatchMeta, Dispatcher
 from .experts import GroupedExperts
 from .router import RoutingDecision
 
@@ -92,7 +92,7 @@ def row_sum_experts(x_TD: torch.Tensor, decision: RoutingDecision, experts: Grou
                            per_sample_weights=h_PF.reshape(-1))
 
 
-def applies(experts: torch.nn.Module, dispatcher: object, decision: RoutingDecision, n_tokens: int,
+def applies(experts: torch.nn.Module, dispatcher: Dispatcher, decision: RoutingDecision, n_tokens: int,
             max_tokens: int | None, detailed_stats: bool) -> bool:
     """Whether a layer call takes the decode path (host-side facts only: no device read).
     `max_tokens` None (the automatic choice): `DECODE_MAX_TOKENS` of the device, and only without
@@ -107,7 +107,7 @@ def applies(experts: torch.nn.Module, dispatcher: object, decision: RoutingDecis
     return (0 < n_tokens <= max_tokens and not autocast and type(experts) is GroupedExperts
             and decision.valid_TK is None and not detailed_stats
             and experts.precision == quant_gemm.FULL_PRECISION
-            and type(dispatcher) is LocalDispatcher and dispatcher.capacity_factor is None)
+            and dispatcher.allows_decode_path)
 
 
 def no_drop_meta(decision: RoutingDecision, num_experts: int) -> DispatchMeta:

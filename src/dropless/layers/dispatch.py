@@ -1,12 +1,18 @@
 """Dispatchers: move (token, expert) pairs to the experts and their results back.
 
-Legend: T tokens, K slots per token, D model width, E experts, R rows in expert order.
+Legend: T tokens, K slots per token, D model width, E experts, R rows in expert order, G groups of
+an expert batch (E here; a rank's slots under EP).
 
 The contract, one for every dispatcher (this file's LocalDispatcher, and the expert-parallel
-EPDispatcher in dropless.distributed.ep):
+EPDispatcher in dropless.distributed.ep and its hot-replica forms), the `Dispatcher` protocol:
 
     dispatch(x_TD, decision: RoutingDecision) -> (ExpertBatch, DispatchMeta)
+    dispatch_overlapped(x_TD, decision, during) -> (ExpertBatch, DispatchMeta, during() or None)
     combine(y_RD, meta) -> y_TD
+    overlap_shared: bool        the layer hands its shared experts to dispatch_overlapped
+    allows_decode_path: bool    the decode path (decode_experts.py) may stand in for the three calls
+
+The layer asks a dispatcher these and nothing else; every dispatcher answers each one itself.
 
 - `dispatch` takes the router's whole decision (ids, weights, validity mask), so no path can forget
   the mask: an invalid slot (expert choice, expert threshold) gets no row, no traffic, weight 0.
@@ -34,9 +40,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
+import torch.nn.functional as F
 
 from ..config import MoEConfig
 from ..expert_slots import ExpertSlots
@@ -60,6 +67,16 @@ class DispatchMeta:
     # groups are experts [first_expert, first_expert + num_local)
     expert_of_group: torch.Tensor | None = None
 
+    def per_expert(self, v_G: torch.Tensor, num_experts: int) -> torch.Tensor:
+        """A value per GEMM group of the batch as one per routed expert ([num_experts]): a replica's
+        entry adds to its expert's (`expert_of_group`), experts held elsewhere (EP) get zeros."""
+        E = num_experts
+        if self.expert_of_group is not None:  # an unused slot's index E lands past the cut
+            return v_G.new_zeros(E + 1).index_add_(0, self.expert_of_group, v_G)[:E]
+        if self.num_local < E:
+            return F.pad(v_G, (self.first_expert, E - self.first_expert - self.num_local))
+        return v_G
+
 
 @dataclass(frozen=True, kw_only=True)
 class LocalMeta(DispatchMeta):
@@ -68,11 +85,33 @@ class LocalMeta(DispatchMeta):
 
 
 class Dispatcher(Protocol):
+    """What a MoE layer asks of its dispatcher (module note)."""
+
+    @property
+    def overlap_shared(self) -> bool:
+        """Whether the layer runs its shared experts inside `dispatch_overlapped` (EP: while the token
+        rows are in flight) instead of after combine."""
+        ...
+
+    @property
+    def allows_decode_path(self) -> bool:
+        """Whether every pair may be computed where its token is, none dropped: the decode path
+        (decode_experts.py) then replaces dispatch, experts and combine. One device, dropless."""
+        ...
+
     def dispatch(self, x_TD: torch.Tensor, decision: RoutingDecision) -> tuple[ExpertBatch, DispatchMeta]: ...
+
+    def dispatch_overlapped(self, x_TD: torch.Tensor, decision: RoutingDecision,
+                            during: Callable[[], torch.Tensor] | None
+                            ) -> tuple[ExpertBatch, DispatchMeta, torch.Tensor | None]:
+        """`dispatch`, with `during()` computed while the dispatch allows (its result third; None
+        when `during` is None)."""
+        ...
 
     def combine(self, y_RD: torch.Tensor, meta: DispatchMeta) -> torch.Tensor: ...
 
 
+@dataclass(frozen=True)
 class LocalDispatcher:
     """Single-device dispatch: a routing plan, a gather into expert order, an unweighted sum back.
 
@@ -80,12 +119,18 @@ class LocalDispatcher:
     With a capacity factor it is the capacity baseline: C rows per expert, the overflow dropped.
     """
 
-    def __init__(self, num_experts: int, align: int = 1, capacity_factor: float | None = None,
-                 drop_policy: str = "position") -> None:
-        self.num_experts = num_experts
-        self.align = align
-        self.capacity_factor = capacity_factor
-        self.drop_policy = drop_policy
+    num_experts: int
+    align: int = 1
+    capacity_factor: float | None = None
+    drop_policy: str = "position"
+
+    @property
+    def overlap_shared(self) -> bool:
+        return False  # nothing is in flight on one device
+
+    @property
+    def allows_decode_path(self) -> bool:
+        return self.capacity_factor is None  # the capacity layout drops by position in a group
 
     def plan(self, decision: RoutingDecision, bucket: int = 1) -> P.RoutingPlan:
         """`bucket`: a further row alignment of the dropless plan (`grouped_gemm.row_bucket`)."""
@@ -107,6 +152,13 @@ class LocalDispatcher:
         batch = ExpertBatch(P.permute(x_TD, plan, src_R), plan.offsets_E, plan.capacity, weights_R, source)
         return batch, LocalMeta(pairs_dropped=plan.pairs_dropped(), first_expert=0,
                                 num_local=self.num_experts, plan=plan, src_R=src_R)
+
+    def dispatch_overlapped(self, x_TD: torch.Tensor, decision: RoutingDecision,
+                            during: Callable[[], torch.Tensor] | None
+                            ) -> tuple[ExpertBatch, LocalMeta, torch.Tensor | None]:
+        """Nothing is in flight on one device: `dispatch`, then `during()`."""
+        batch, meta = self.dispatch(x_TD, decision)
+        return batch, meta, during() if during is not None else None
 
     def combine(self, y_RD: torch.Tensor, meta: LocalMeta) -> torch.Tensor:
         return P.unpermute(y_RD, meta.plan, meta.src_R)

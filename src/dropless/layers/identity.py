@@ -38,9 +38,46 @@ class IdentitySplit:
     weight_T: torch.Tensor  # fp32: sum of each token's identity-pair weights
     any_real_T: torch.Tensor  # bool: the token has at least one real-expert pair
     is_identity_TK: torch.Tensor  # bool: valid identity pairs
+    ids_TK: torch.Tensor  # the router's ids (identity ids included)
+    slots: ExpertSlots
+
+    def combine(self, y_TD: torch.Tensor, x_TD: torch.Tensor) -> torch.Tensor:
+        """The real experts' sum (zero for tokens with none) plus the identity experts' weighted input."""
+        y_TD = torch.where(self.any_real_T.unsqueeze(-1), y_TD, 0.0)
+        return y_TD + self.weight_T.to(x_TD.dtype).unsqueeze(-1) * x_TD
+
+    def out_sq(self, routed_E: torch.Tensor, x_TD: torch.Tensor) -> torch.Tensor:
+        """The monitor's per-expert output sum of squares over all E + Z experts: the routed experts'
+        (`routed_E`), then the identity experts'. An identity expert's own (unweighted) output row is
+        the token's input row, so its sum is over its tokens' mean_d(x^2)."""
+        ms_T = x_TD.detach().float().square().mean(-1)
+        ms_TK = ms_T.unsqueeze(-1).expand_as(self.ids_TK)
+        slot_TK = torch.where(self.is_identity_TK, self.ids_TK - self.slots.routed, 0)
+        ident_Z = ms_T.new_zeros(self.slots.identity).index_add_(
+            0, slot_TK.reshape(-1), torch.where(self.is_identity_TK, ms_TK, 0.0).reshape(-1))
+        return torch.cat([routed_E, ident_Z])
 
 
-def split(decision: RoutingDecision, slots: ExpertSlots) -> IdentitySplit:
+@dataclass(frozen=True)
+class NoIdentity:
+    """The split of a layer without identity experts: the real experts run the whole decision."""
+
+    experts: RoutingDecision
+
+    def combine(self, y_TD: torch.Tensor, x_TD: torch.Tensor) -> torch.Tensor:
+        return y_TD
+
+    def out_sq(self, routed_E: torch.Tensor, x_TD: torch.Tensor) -> torch.Tensor:
+        return routed_E
+
+
+Split = IdentitySplit | NoIdentity
+
+
+def split(decision: RoutingDecision, slots: ExpertSlots) -> Split:
+    """The real experts' decision and the identity pairs apart (NoIdentity: no identity experts)."""
+    if not slots.identity:
+        return NoIdentity(decision)
     ids_TK = decision.ids_TK
     is_id_TK = slots.is_identity(ids_TK)
     if decision.valid_TK is not None:
@@ -52,20 +89,4 @@ def split(decision: RoutingDecision, slots: ExpertSlots) -> IdentitySplit:
     experts = replace(decision, ids_TK=torch.where(is_id_TK, 0, ids_TK), valid_TK=real_TK,
                       weights_TK=torch.where(real_TK, decision.weights_TK, 0.0))
     weight_T = torch.where(is_id_TK, decision.weights_TK, 0.0).sum(-1)
-    return IdentitySplit(experts, weight_T, real_TK.any(-1), is_id_TK)
-
-
-def combine(y_TD: torch.Tensor, x_TD: torch.Tensor, s: IdentitySplit) -> torch.Tensor:
-    """The real experts' sum (zero for tokens with none) plus the identity experts' weighted input."""
-    y_TD = torch.where(s.any_real_T.unsqueeze(-1), y_TD, 0.0)
-    return y_TD + s.weight_T.to(x_TD.dtype).unsqueeze(-1) * x_TD
-
-
-def out_sq(x_TD: torch.Tensor, ids_TK: torch.Tensor, s: IdentitySplit, slots: ExpertSlots) -> torch.Tensor:
-    """The monitor's per-expert output sum of squares for the identity experts: an identity expert's
-    own (unweighted) output row is the token's input row, so its sum is over its tokens' mean_d(x^2)."""
-    ms_T = x_TD.detach().float().square().mean(-1)
-    ms_TK = ms_T.unsqueeze(-1).expand_as(ids_TK)
-    slot_TK = torch.where(s.is_identity_TK, ids_TK - slots.routed, 0)
-    return ms_T.new_zeros(slots.identity).index_add_(0, slot_TK.reshape(-1),
-                                                     torch.where(s.is_identity_TK, ms_TK, 0.0).reshape(-1))
+    return IdentitySplit(experts, weight_T, real_TK.any(-1), is_id_TK, ids_TK, slots)

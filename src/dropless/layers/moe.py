@@ -1,7 +1,7 @@
 """The MoE layer: router -> dispatch -> grouped experts -> combine (+ shared experts).
 
 Legend: T tokens (all leading dims flattened), D model width, E experts, K experts per token,
-R routed rows in expert order.
+R routed rows in expert order, G groups of the expert batch (E; a rank's slots under EP).
 
 The layer returns its losses and statistics instead of adding or storing them: the model sums the
 losses with their coefficients, the trainer accumulates the statistics and reads them on the host
@@ -100,6 +100,24 @@ def router_summaries(probs_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return entropy, ratio
 
 
+@dataclass(frozen=True)
+class RoutedRun:
+    """What the routed experts' step of one call leaves for the rest of it."""
+
+    y_TD: torch.Tensor  # the routed experts' weighted sum per token (width of the rows they read)
+    meta: DispatchMeta
+    # the expert-ordered batch and output rows; None on the decode path (it has neither)
+    batch: ExpertBatch | None = None
+    y_RD: torch.Tensor | None = None
+    shared_TD: torch.Tensor | None = None  # the shared experts, when dispatch ran them (EP overlap)
+
+    def out_sq(self, num_experts: int) -> torch.Tensor:
+        """The monitor's output sum of squares per routed expert (`expert_out_sq`, spread over the
+        experts by the metadata). Grouped path only: detailed statistics keep a call off the decode path."""
+        out_sq_G = expert_out_sq(self.y_RD, self.batch.offsets_E, self.batch.weights_R)
+        return self.meta.per_expert(out_sq_G, num_experts)
+
+
 class MoELayer(nn.Module):
     def __init__(self, d_model: int, cfg: MoEConfig, dispatcher: Dispatcher | None = None) -> None:
         super().__init__()
@@ -142,40 +160,17 @@ class MoELayer(nn.Module):
         x_TD = x.reshape(-1, shape[-1])
         replay_TK = replay_ids.reshape(-1, self.cfg.top_k) if replay_ids is not None else None
         decision = self.router(x_TD, replay_TK, token_ids)
-        ident = identity.split(decision, self.slots) if self.slots.identity else None
-        run = ident.experts if ident is not None else decision  # what the real experts compute
-        # the rows the routed experts read: x itself, or its latent projection (width l)
-        xr_TD = self.latent.project_down(x_TD) if self.latent is not None else x_TD
-        shared_TD = None
-        if decode_experts.applies(self.experts, self.dispatcher, run, x_TD.shape[0],
-                                  self.decode_max_tokens, self.detailed_stats):
-            y_TD = decode_experts.row_sum_experts(xr_TD, run, self.experts)
-            batch, meta, y_RD = None, decode_experts.no_drop_meta(run, self.slots.routed), None
-        else:
-            if self.shared is not None and getattr(self.dispatcher, "overlap_shared", False):
-                # EP: the shared experts run while the token rows are in flight (distributed/ep.py)
-                batch, meta, shared_TD = self.dispatcher.dispatch_overlapped(xr_TD, run,
-                                                                             lambda: self._shared(x_TD))
-            else:
-                batch, meta = self.dispatcher.dispatch(xr_TD, run)
-            y_RD = self.experts(batch)
-            y_TD = self.dispatcher.combine(y_RD, meta)
-        if ident is not None:
-            y_TD = identity.combine(y_TD, xr_TD, ident)
-        if self.latent is not None:
-            y_TD = self.latent.project_up(y_TD)
-        if self.shared is not None:
-            y_TD = y_TD + (shared_TD if shared_TD is not None else self._shared(x_TD))
-        E, K = self.slots.selectable, self.cfg.top_k  # identity experts count like any expert
-        counts_E = routing.expert_counts(decision.ids_TK, E, decision.valid_TK)
+        split = identity.split(decision, self.slots)  # split.experts: what the real experts compute
+        xr_TD = self._project_down(x_TD)  # the rows the routed experts read
+        routed = self._routed_experts(xr_TD, split.experts, x_TD)  # dispatch, experts, combine
+        y_TD = self._project_up(split.combine(routed.y_TD, xr_TD))
+        y_TD = self._add_shared(y_TD, routed.shared_TD, x_TD)
+        # losses and statistics over the E + Z selectable experts (identity experts count like any)
+        counts_E = routing.expert_counts(decision.ids_TK, self.slots.selectable, decision.valid_TK)
         probs_TE = routing.router_probs(decision.scores_TE, self.cfg.router.score_func)
-        aux = routing.switch_aux_loss(probs_TE, counts_E, K)
-        seq_aux = None
-        if self.cfg.balance.seq_aux_loss_coeff > 0:
-            # sequences are the second-to-last dim of x ([B, S, D]); a flat [T, D] input is one sequence
-            seq_len = shape[-2] if len(shape) >= 3 else x_TD.shape[0]
-            seq_aux = balance.sequence_aux_loss(probs_TE, decision.ids_TK, seq_len, decision.valid_TK)
-        stats = self._stats(decision, counts_E, probs_TE, meta, y_RD, batch, xr_TD, ident)
+        aux = routing.switch_aux_loss(probs_TE, counts_E, self.cfg.top_k)
+        seq_aux = self._seq_aux_loss(probs_TE, decision, shape)
+        stats = self._stats(decision, counts_E, probs_TE, split, routed, xr_TD)
         return MoEOutput(
             y=y_TD.view(shape),
             aux_loss=aux,
@@ -187,33 +182,66 @@ class MoELayer(nn.Module):
             valid_TK=decision.valid_TK,
         )
 
+    def _project_down(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """LatentMoE: the routed experts read the latent projection of x (width l), else x itself."""
+        return self.latent.project_down(x_TD) if self.latent is not None else x_TD
+
+    def _project_up(self, y_TD: torch.Tensor) -> torch.Tensor:
+        return self.latent.project_up(y_TD) if self.latent is not None else y_TD
+
+    def _routed_experts(self, xr_TD: torch.Tensor, run: RoutingDecision, x_TD: torch.Tensor) -> RoutedRun:
+        """The routed experts' weighted sum per token: the decode path when it applies
+        (decode_experts.py), else dispatch, the grouped experts and combine."""
+        if decode_experts.applies(self.experts, self.dispatcher, run, x_TD.shape[0],
+                                  self.decode_max_tokens, self.detailed_stats):
+            y_TD = decode_experts.row_sum_experts(xr_TD, run, self.experts)
+            return RoutedRun(y_TD, decode_experts.no_drop_meta(run, self.slots.routed))
+        batch, meta, shared_TD = self._dispatch(xr_TD, run, x_TD)
+        y_RD = self.experts(batch)
+        return RoutedRun(self.dispatcher.combine(y_RD, meta), meta, batch, y_RD, shared_TD)
+
+    def _dispatch(self, xr_TD: torch.Tensor, run: RoutingDecision, x_TD: torch.Tensor
+                  ) -> tuple[ExpertBatch, DispatchMeta, torch.Tensor | None]:
+        """Dispatch; where the dispatcher overlaps (EP, distributed/ep.py), the shared experts run
+        while the token rows are in flight and come back third."""
+        if self.shared is not None and self.dispatcher.overlap_shared:
+            return self.dispatcher.dispatch_overlapped(xr_TD, run, lambda: self._shared(x_TD))
+        batch, meta = self.dispatcher.dispatch(xr_TD, run)
+        return batch, meta, None
+
+    def _add_shared(self, y_TD: torch.Tensor, shared_TD: torch.Tensor | None, x_TD: torch.Tensor) -> torch.Tensor:
+        """Plus the shared experts (in D), unless there are none; already computed when dispatch ran them."""
+        if self.shared is None:
+            return y_TD
+        return y_TD + (shared_TD if shared_TD is not None else self._shared(x_TD))
+
     def _shared(self, x_TD: torch.Tensor) -> torch.Tensor:
         if self.recompute_shared and torch.is_grad_enabled():  # layers/recompute.py
             return recompute.recomputed(self.shared, x_TD)
         return self.shared(x_TD)
 
+    def _seq_aux_loss(self, probs_TE: torch.Tensor, decision: RoutingDecision,
+                      shape: torch.Size) -> torch.Tensor | None:
+        """The sequence-scope aux loss, when its coefficient is > 0. Sequences are the second-to-last
+        dim of x ([B, S, D]); a flat [T, D] input is one sequence."""
+        if not self.cfg.balance.seq_aux_loss_coeff > 0:
+            return None
+        seq_len = shape[-2] if len(shape) >= 3 else probs_TE.shape[0]
+        return balance.sequence_aux_loss(probs_TE, decision.ids_TK, seq_len, decision.valid_TK)
+
     def _stats(self, decision: RoutingDecision, counts_E: torch.Tensor, probs_TE: torch.Tensor,
-               meta: DispatchMeta, y_RD: torch.Tensor, batch: ExpertBatch, x_TD: torch.Tensor,
-               ident: identity.IdentitySplit | None) -> MoEStats:
+               split: identity.Split, routed: RoutedRun,
+               xr_TD: torch.Tensor) -> MoEStats:
         extra: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             if self.detailed_stats:
-                out_sq = expert_out_sq(y_RD, batch.offsets_E, batch.weights_R)
-                E = self.slots.routed
-                if meta.expert_of_group is not None:  # hot-expert replicas: a copy's rows count for its expert
-                    out_sq = out_sq.new_zeros(E + 1).index_add_(0, meta.expert_of_group, out_sq)[:E]
-                elif meta.num_local < E:  # expert parallel: this rank's experts only
-                    first = meta.first_expert
-                    out_sq = torch.nn.functional.pad(out_sq, (first, E - first - meta.num_local))
-                if ident is not None:  # the identity experts' entries follow the routed experts'
-                    out_sq = torch.cat([out_sq, identity.out_sq(x_TD, decision.ids_TK, ident, self.slots)])
-                extra["out_sq_E"] = out_sq
+                extra["out_sq_E"] = split.out_sq(routed.out_sq(self.slots.routed), xr_TD)
                 extra["router_entropy"], extra["top1_top2_ratio"] = router_summaries(probs_TE)
             if self.cfg.router.strategy == "expert_threshold":
                 extra["score_quantile_E"] = routing.score_quantile(decision.scores_TE, self.cfg.top_k)
             if self.quantile_stats:
                 extra["quantile_bias_E"] = balance.quantile_bias(
                     self.router.selection_base(decision), self.cfg.top_k)
-        dropped = meta.pairs_dropped
-        return MoEStats(counts_E, counts_E.sum() - dropped, dropped, meta.link_demand,
-                        pairs_spilled=meta.pairs_spilled, **extra)
+        dropped = routed.meta.pairs_dropped
+        return MoEStats(counts_E, counts_E.sum() - dropped, dropped, routed.meta.link_demand,
+                        pairs_spilled=routed.meta.pairs_spilled, **extra)
