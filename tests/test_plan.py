@@ -13,27 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from dropless.config import load_config
 from dropless.plan import cli
 from dropless.plan.model import plan, with_overrides
 from dropless.plan.suggest import suggest
 from dropless.plan.validate import measure
-from dropless.runs.presets import preset_path
+from plan_cases import config, one_thread  # noqa: F401  (one_thread: an autouse fixture)
 
 # AdamW: the planner's optimizer bytes are exact for it (Muon's are a stated upper bound, plan/model.py)
 SMALL = ["model.n_layers=3", "train.batch_size=4", "train.seq_len=64", "model.max_seq_len=64", "train.optimizer=adamw"]
 
 
 def small(*extra: str, dtype: str = "fp32"):
-    return load_config(preset_path("tiny"), [*SMALL, f"train.dtype={dtype}", *extra])
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    return config(SMALL, *extra, dtype=dtype)
 
 
 def test_parse_bytes_units_and_errors() -> None:

@@ -10,12 +10,10 @@ makes for them, costs far more)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from dropless.config import load_config
 from dropless.plan.model import plan
 from dropless.plan.validate import measure
-from dropless.runs.presets import preset_path
+from plan_cases import config, one_thread  # noqa: F401  (one_thread: an autouse fixture)
 
 # d_model 256 and d_expert 128 split into whole blocks of every recipe (16, 32 and 128 wide)
 SMALL = ["model.n_layers=3", "train.batch_size=2", "train.seq_len=64", "model.max_seq_len=64",
@@ -23,15 +21,7 @@ SMALL = ["model.n_layers=3", "train.batch_size=2", "train.seq_len=64", "model.ma
 
 
 def small(*extra: str, dtype: str = "fp32"):
-    return load_config(preset_path("tiny"), [*SMALL, f"train.dtype={dtype}", *extra])
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    return config(SMALL, *extra, dtype=dtype)
 
 
 def _check(cfg) -> None:

@@ -19,6 +19,7 @@ from dropless.plan.activations import activation_bytes
 from dropless.plan.model import plan
 from dropless.plan.validate import measure
 from dropless.runs.presets import preset_path
+from plan_cases import config, one_thread  # noqa: F401  (one_thread: an autouse fixture)
 
 SMALL = ["model.n_layers=3", "train.batch_size=4", "train.seq_len=64", "model.max_seq_len=128",
          "train.optimizer=adamw"]
@@ -31,15 +32,7 @@ MLA_NARROW_V = [*MLA[:-1], "model.v_head_dim=40"]
 
 
 def small(*extra: str, dtype: str = "fp32"):
-    return load_config(preset_path("tiny"), [*SMALL, f"train.dtype={dtype}", *extra])
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    return config(SMALL, *extra, dtype=dtype)
 
 
 def _meta(cfg) -> MoEModel:
