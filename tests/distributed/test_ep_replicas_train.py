@@ -29,6 +29,7 @@ from host_sync import EP_EXACT_SPLIT_SIZES, forbid_host_sync
 from dropless.bench.ep_scenarios import zipf_ids
 from dropless.config import MoEConfig, ParallelConfig
 from dropless.distributed import ep_replicas as rep
+from dropless.distributed.ep_hot_replicas import HotReplicaDispatcher
 from dropless.distributed.parallelize_ep import shard_moe_layer
 from dropless.layers.moe import MoELayer
 from dropless.train.loop import Trainer
@@ -57,7 +58,7 @@ def _layer_case(rank: int, world: int, mode: str, steps: int) -> None:
     pcfg = ParallelConfig(ep_size=world, ep_mode=mode, ragged_buffer_factor=-1, max_tokens_per_rank=T)
     layer = shard_moe_layer(copy.deepcopy(ref), None, pcfg)
     layer.slots = layer.slots.with_spare(1)
-    layer.dispatcher = rep.HotReplicaDispatcher.wrap(layer.dispatcher, layer.slots)
+    layer.dispatcher = HotReplicaDispatcher.wrap(layer.dispatcher, layer.slots)
     opt = torch.optim.AdamW(layer.parameters(), lr=1e-2, foreach=False)
     L = E // world
     seen: dict[str, torch.Tensor] = {}

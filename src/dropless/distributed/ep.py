@@ -6,7 +6,7 @@ T tokens on this rank, K slots per token, C per-link pair capacity (buffered mod
 This file is the dispatcher object: its settings (mode, de-dup, buffer sizing, overflow policy,
 overlap), the link capacity rule, and its variants for the trainer (exact mode for evaluation,
 worst-case buffers for the retry of an overflowing step), each built with `dataclasses.replace`, so a
-subclass (hot-expert replicas, ep_replicas.py) stays one. One layer call's collectives are
+subclass (hot-expert replicas, ep_hot_replicas.py) stays one. One layer call's collectives are
 ep_exchange.py (the protocol note is there), the index maths ep_plan.py, the spill trip ep_spill.py.
 
 Host reads: exact mode's split sizes (ep_exchange.py) and, in buffered mode with

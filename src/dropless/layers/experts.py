@@ -57,7 +57,7 @@ class ExpertBatch:
     # the rows in the backward instead of keeping them; None (expert parallel, direct calls): keep x_RD
     source: RowSource | None = None
     # (w_gate_up, w_down) -> the weights of the batch's groups, when they are more than the module's
-    # own (hot-expert replicas, distributed/ep_replicas.py: the copies fetched from their owners)
+    # own (hot-expert replicas, distributed/ep_hot_replicas.py: the copies fetched from their owners)
     grow: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
 

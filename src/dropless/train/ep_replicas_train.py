@@ -2,7 +2,7 @@
 
 Legend: P EP ranks, E experts, L = E/P own experts per rank, S spare slots per rank, R replicas.
 
-Every MoE layer's EP dispatcher becomes a `HotReplicaDispatcher` (distributed/ep_replicas.py) with
+Every MoE layer's EP dispatcher becomes a `HotReplicaDispatcher` (distributed/ep_hot_replicas.py) with
 S = ceil(R / (P - 1)) spare slots per rank (a copy never sits on its owner), and every layer's `slots`
 gain them (expert_slots.py). The layers' per-expert counts of their routed experts (identity experts
 compute nothing and need no copy; the layer counts them after the routed ones) are summed on the
@@ -32,7 +32,8 @@ import torch.distributed as dist
 
 from ..config import ParallelConfig
 from ..distributed import comm
-from ..distributed.ep_replicas import HotReplicaDispatcher, plan_replicas
+from ..distributed.ep_hot_replicas import HotReplicaDispatcher
+from ..distributed.ep_replicas import plan_replicas
 from ..layers.moe import MoEStats
 
 
