@@ -57,7 +57,7 @@ def main() -> int:
     med = {n: statistics.median(v[args.skip:]) for n, v in wall.items()}
     cmed = {n: statistics.median(v[args.skip:]) for n, v in cpu.items()}
     print(f"default preset ({tokens} tokens/step), torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"dtype {trainers['eager'].placement.dtype}, medians of steps {args.skip}..{args.steps - 1}")
+          f"dtype {trainers['eager'].layout.placement.dtype}, medians of steps {args.skip}..{args.steps - 1}")
     for n in trainers:
         print(f"{n:9s} tokens/s wall {tokens / med[n]:8.0f}  cpu {tokens / cmed[n]:8.0f}  loss@{args.steps - 1} {loss[n]:.4f}")
     print(f"compiled / eager tokens/s: wall {med['eager'] / med['compiled']:.3f}, cpu {cmed['eager'] / cmed['compiled']:.3f}")

@@ -93,7 +93,7 @@ def train(out: Path, steps: int, deterministic: bool) -> dict:
     tps = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r][1:]  # the first interval includes warm-up
     return {
         "deterministic": deterministic, "moe_layers_watched": n_layers, "wall_s": wall,
-        "placement": trainer.placement.as_dict(), "first_loss": losses[0], "last_loss": losses[-1],
+        "placement": trainer.layout.placement.as_dict(), "first_loss": losses[0], "last_loss": losses[-1],
         "final_val_loss": summary["final_val_loss"], "tokens_per_s_median": statistics.median(tps) if tps else None,
         "step_ms_median": statistics.median(r["step_ms"] for r in rows if "step_ms" in r),
         "sync_warnings_inside_layers": syncs[:20], "n_sync_warnings_inside_layers": len(syncs),

@@ -97,7 +97,7 @@ def test_trainer_on_cuda(tmp_path: Path) -> None:
     from dropless.train.loop import Trainer
 
     trainer = Trainer(tiny("train.device=cuda"), tmp_path / "a")
-    assert trainer.device.type == "cuda" and trainer.placement.dtype == "bf16"
+    assert trainer.layout.device.type == "cuda" and trainer.layout.placement.dtype == "bf16"
     assert all(p.is_cuda for p in trainer.model.parameters())
     assert all(b.is_cuda for b in trainer.model.buffers())
     summary = trainer.fit()

@@ -184,11 +184,11 @@ TRAINER_CASES = {
 def test_trainer_step_on_meta(case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Trainer.train_step between log steps: batches, autocast choice, forward, backward, the global
     # aux loss, clipping, the optimizer and the balancing rules, all on the trainer's device.
-    from dropless.train import loop
+    from dropless.train import data_source
     from dropless.train.loop import Trainer
 
     bf16_grouped_mm(monkeypatch)
-    real_get_batch = loop.get_batch
+    real_get_batch = data_source.get_batch
 
     def host_drawn_batch(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         with _disable_current_modes():  # the host-side draw (module note); the result must be on meta
@@ -196,9 +196,9 @@ def test_trainer_step_on_meta(case: str, tmp_path: Path, monkeypatch: pytest.Mon
         assert x.device == META and y.device == META
         return x, y
 
-    monkeypatch.setattr(loop, "get_batch", host_drawn_batch)
+    monkeypatch.setattr(data_source, "get_batch", host_drawn_batch)
     trainer = Trainer(tiny("train.dtype=auto", *TRAINER_CASES[case]), tmp_path, device=META)
-    assert trainer.placement.dtype == "fp32"  # no autocast exists on meta
+    assert trainer.layout.placement.dtype == "fp32"  # no autocast exists on meta
     with OnDevice(META, allow_cpu_scalars=True):
         for step in range(2):
             sums, grad_norm = trainer.train_step(step, log_step=False)
@@ -210,12 +210,12 @@ def test_trainer_step_on_meta(case: str, tmp_path: Path, monkeypatch: pytest.Mon
 def test_evaluation_reads_the_host_once_on_meta(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Evaluation sums on the device and reads the sums once at the end (a read per batch would wait
     # for the device batch by batch); that one read is counted here instead of raising.
-    from dropless.train import loop
+    from dropless.train import data_source
     from dropless.train.loop import Trainer
 
     bf16_grouped_mm(monkeypatch)
     trainer = Trainer(tiny(), tmp_path, device=META)
-    real_eval_batches = loop.eval_batches
+    real_eval_batches = data_source.eval_batches
 
     def host_drawn(*args, **kwargs):
         with _disable_current_modes():  # the host-side draw, as in the trainer test
@@ -229,7 +229,7 @@ def test_evaluation_reads_the_host_once_on_meta(tmp_path: Path, monkeypatch: pyt
         reads.append(tuple(t.shape))
         return [1.0] * t.numel()
 
-    monkeypatch.setattr(loop, "eval_batches", host_drawn)
+    monkeypatch.setattr(data_source, "eval_batches", host_drawn)
     monkeypatch.setattr(torch.Tensor, "tolist", tolist)
     with OnDevice(META):
         trainer.evaluate()

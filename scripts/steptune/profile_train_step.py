@@ -10,7 +10,7 @@ from dropless.train.loop import Trainer
 from torch.profiler import profile, ProfilerActivity
 sets = ["train.threads=1", "log.progress=false", "log.plots=false"] + sys.argv[2:]
 tr = Trainer(load_config(sys.argv[1], sets), tempfile.mkdtemp())
-print(tr.placement.describe())
+print(tr.layout.placement.describe())
 for s in range(6):
     tr.train_step(s, log_step=False)
 N = 4

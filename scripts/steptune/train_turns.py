@@ -28,7 +28,7 @@ def worker(preset: str, sets: list[str]) -> None:
 
     cfg = load_config(preset, ["log.progress=false", "log.plots=false", *sets])
     tr = Trainer(cfg, tempfile.mkdtemp())
-    print("ready", tr.placement.describe(), "threads", torch.get_num_threads(),
+    print("ready", tr.layout.placement.describe(), "threads", torch.get_num_threads(),
           "tokens/step", cfg.train.batch_size * cfg.train.seq_len * cfg.train.grad_accum, flush=True)
     step = 0
     for line in sys.stdin:

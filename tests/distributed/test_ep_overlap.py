@@ -86,7 +86,7 @@ def _trainer_case(rank: int, world: int, root: Path) -> None:
         assert all(m.dispatcher.overlap_shared is overlap for m in trainer.model.moe_layers())
         out = []
         for step in range(3):
-            with trainer.comm_watch.step(step, check=True):
+            with trainer.layout.comm_watch.step(step, check=True):
                 sums, norm = trainer.train_step(step, log_step=True)
             out += [float(sums.loss), float(norm)]
         runs[overlap] = out

@@ -39,10 +39,10 @@ def _trainer(root: Path, name: str, extra: tuple[str, ...]) -> Trainer:
 
 def _worker(rank: int, world: int, root: Path) -> None:
     plain, rep = _trainer(root, "plain", ()), _trainer(root, "rep", REPL)
-    assert rep.replicas is not None  # sharding, then replication, replaced the layers' slots
+    assert rep.layout.replicas is not None  # sharding, then replication, replaced the layers' slots
     assert all(layer.slots == ExpertSlots(E, Z, ep_size=2) for layer in plain.model.moe_layers())
-    assert rep.replicas.slots == ExpertSlots(E, Z, ep_size=2, spare=1)
-    assert all(layer.slots == rep.replicas.slots for layer in rep.model.moe_layers())
+    assert rep.layout.replicas.slots == ExpertSlots(E, Z, ep_size=2, spare=1)
+    assert all(layer.slots == rep.layout.replicas.slots for layer in rep.model.moe_layers())
     plain.fit()
     rep.fit()
 

@@ -116,14 +116,14 @@ def _run(trainer: Trainer, steps: range) -> tuple[list[float], list[float], list
         sums, norm = trainer.train_step(step)
         losses.append(float(sums.loss))
         norms.append(float(norm))
-        if trainer.replicas is not None and (row := trainer.replicas.maybe_place(step)) is not None:
+        if trainer.layout.replicas is not None and (row := trainer.layout.replicas.maybe_place(step)) is not None:
             rows.append(row)
     return losses, norms, rows
 
 
 def _trainer_case(rank: int, world: int, root: Path) -> None:
     plain, rep_t = _trainer(root, "plain", ()), _trainer(root, "rep", REPL)
-    assert plain.replicas is None and rep_t.replicas is not None
+    assert plain.layout.replicas is None and rep_t.layout.replicas is not None
     a, b = _run(plain, range(6)), _run(rep_t, range(6))
     assert len(b[2]) == 3 and all(r["replica_placement"][0] for r in b[2]), b[2]
     assert b[2][-1]["busiest_over_mean_planned"][0] < b[2][-1]["busiest_over_mean_before"][0], b[2]

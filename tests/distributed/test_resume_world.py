@@ -111,7 +111,7 @@ def _resume_with(rank: int, world: int, run_dir: Path, copy_dir: Path, optimizer
                            f"train.optimizer={optimizer}"), run_dir, resume=True)
     assert trainer.start_step == 4
     dist_checkpoint.save(copy_dir, 4, trainer.model, trainer.optimizer, {"step": 4},
-                         experts=trainer.expert_names, meshes=trainer.meshes)
+                         experts=trainer.layout.expert_names, meshes=trainer.layout.meshes)
     trainer.fit()
 
 

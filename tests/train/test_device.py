@@ -149,7 +149,7 @@ def test_run_log_says_device_and_dtype(tmp_path: Path, capsys, monkeypatch: pyte
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
     trainer = Trainer(tiny("train.steps=2", "train.device=cpu"), tmp_path)
-    assert trainer.device == CPU and trainer.placement.dtype == "fp32"
+    assert trainer.layout.device == CPU and trainer.layout.placement.dtype == "fp32"
     summary = trainer.fit()
     out = capsys.readouterr().out
     assert "device cpu (train.device='cpu'); dtype fp32 (auto: CPU without AMX-BF16" in out

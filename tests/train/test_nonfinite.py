@@ -90,7 +90,7 @@ def test_nonfinite_step_changes_nothing(tmp_path: Path, rule: str) -> None:
     assert all(not torch.equal(after[k], moved[k]) for k, v in router_buffers(after).items()
                if v.is_floating_point()), rule
     assert not torch.equal(after["param.embed.weight"], moved["param.embed.weight"])
-    row = trainer.health.record(3, trainer.autocast(), tmp_path)
+    row = trainer.health.record(3, trainer.layout.placement.autocast(), tmp_path)
     assert row["nonfinite_steps"] == 1 and row["skipped_steps"] == 1
     for layer in row["layers"]:  # the skipped step left the counts: steps 0, 1 and 3 remain
         assert sum(layer["counts"]) == 3 * 4 * 32 * 2 or rule == "threshold"

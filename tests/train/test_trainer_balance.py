@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dropless.layers import balance
-from dropless.train import loop
+from dropless.train import data_source, loop
 from tiny_run import tiny
 from tolerances import assert_close
 
@@ -20,7 +20,7 @@ def fixed_batches(monkeypatch: pytest.MonkeyPatch, X: torch.Tensor, Y: torch.Ten
     def get_batch(tokens, step, micro, batch_size, seq_len, seed, **kw):
         return X[micro * batch_size:(micro + 1) * batch_size], Y[micro * batch_size:(micro + 1) * batch_size]
 
-    monkeypatch.setattr(loop, "get_batch", get_batch)
+    monkeypatch.setattr(data_source, "get_batch", get_batch)
 
 
 def test_global_aux_loss_with_accumulation_equals_one_big_batch(tmp_path: Path, monkeypatch) -> None:

@@ -24,7 +24,7 @@ on real (input, target) pairs only; a batch is padded to at least D + 1 position
 
 Order. Slot j of micro-batch m of step s takes the record's sequence at position
 g = ((s - s0) * A * W + m) * B + j (A = train.grad_accum, W processes, m the one-process micro index
-`Trainer.micro_index`), through a permutation of the N sequences drawn from (train.seed, epoch
+of train/data_source.py), through a permutation of the N sequences drawn from (train.seed, epoch
 g // N): every sequence once per epoch. It is a pure function of the step, so a resumed run draws the
 same batches without a sampler state. `s0` is the step at which this record started: 0 for a new
 run; a resume that brings a different record (the next RL iteration, same path or another) starts it

@@ -13,7 +13,7 @@ the piece each rank held, and reads any piece back for any layout, so one format
 One process saves and loads it without a process group (`no_dist=True`); the state dicts come from
 `get_model_state_dict` / `get_optimizer_state_dict` at every world size, so the optimizer state is
 keyed by parameter name (not by position) in all of them. The older one-process format (a torch.save
-`state.pt`) still loads in one process (loop.py) and in `dropless generate`.
+`state.pt`) still loads in one process (train/run_dir.py) and in `dropless generate`.
 
 Publishing uses the atomic protocol of checkpoint.py: every rank writes into one hidden temporary
 folder (DCP's writer fsyncs its files), rank 0 writes `trainer.pt` (fsynced), a barrier makes sure every

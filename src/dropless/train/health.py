@@ -27,21 +27,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 import contextlib
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from ..config import RunConfig
 from ..layers import balance
 from ..layers.moe import MoELayer
 from ..model import MoEModel, ModelOutput
 from ..monitor import stats as mstats
 from ..monitor.alarms import AlarmThresholds, HealthMonitor
+from .layout import AllReduce, Layout
 
 if TYPE_CHECKING:
     from ..distributed.watch import CommWatch
-
-AllReduce = Callable[[torch.Tensor, str], None]  # (tensor, "sum" | "max"), in place
 
 
 def _no_reduce(t: torch.Tensor, op: str) -> None:
@@ -261,3 +261,13 @@ def global_aux_terms(out: ModelOutput, global_counts_LE: torch.Tensor, top_k: in
         total = total + balance.global_aux_loss(m.probs_mean_E, global_counts_LE[i], top_k,
                                                 num_tokens=num_tokens, num_terms=num_terms)
     return total
+
+
+def build_health(cfg: RunConfig, model: MoEModel, layout: Layout, probe_BS: torch.Tensor,
+                 run_dir: Path) -> TrainHealth:
+    """The trainer's routing health: reduced over the layout's ranks, written by rank 0, with the
+    all-to-all alarm under EP."""
+    p = layout.parallel
+    return TrainHealth(model, run_dir, probe_BS, all_reduce=layout.reduce, echo=cfg.log.progress,
+                       write=layout.is_main, alarm_warmup=cfg.train.warmup_steps,
+                       a2a_alarm_ratio=p.a2a_alarm_ratio, a2a_watch=layout.comm_watch if p.ep_size > 1 else None)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from .health import AllReduce
+from .layout import AllReduce
 
 
 class NonFiniteError(FloatingPointError):

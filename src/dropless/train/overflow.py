@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from ..layers.moe import MoEStats
 from .ep_buffers import AdaptiveBuffers
-from .health import AllReduce
+from .layout import AllReduce
 from .muon import Muon
 from .optim import can_skip
 

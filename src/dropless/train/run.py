@@ -181,27 +181,27 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"dropless train: error: {err}", file=sys.stderr)
         return 2
-    if trainer.is_main:
+    if trainer.layout.is_main:
         print(f"run directory: {run_dir}")
         if source is not None:
             rule = import_hf.describe_balancing(cfg.model, import_hf.read_config(source))
             print(f"initialised from {source}; {rule}")
-            trainer.metrics.write({"step": 0, "init_from": str(source), "balancing": rule})
+            trainer.run_dir.write({"step": 0, "init_from": str(source), "balancing": rule})
     if trainer.start_step >= cfg.train.steps:  # a finished run: keep its summary, say how to extend it
-        if trainer.is_main:
+        if trainer.layout.is_main:
             print(f"nothing to train: the run is complete at step {trainer.start_step} "
                   f"(--set train.steps=N with N > {trainer.start_step} trains longer)")
         _finish(trainer)
         return 0
     summary = trainer.fit()
-    if trainer.is_main:
+    if trainer.layout.is_main:
         print(json.dumps(summary, indent=2))
     _finish(trainer)
     return 0
 
 
 def _finish(trainer: "Trainer") -> None:
-    if trainer.distributed:
+    if trainer.layout.distributed:
         import torch.distributed as dist
 
         dist.destroy_process_group()

@@ -1,0 +1,110 @@
+"""Where a run lives: its device and dtype, its processes, and the model placed on them.
+
+`build_layout` decides once, before anything is built: the placement (device.py: device, autocast
+dtype, and why), the process facts (rank, world size; a process group is initialised beforehand,
+e.g. by torchrun), the CPU threads, determinism and the global seed. `place_model` then builds the
+model on the CPU (the same seeded weights on every device and rank), fills it (`init_weights`, e.g.
+a Hugging Face checkpoint), moves it to the device with its buffers and, under several processes,
+parallelises it from outside (distributed/parallelize.py: EP, then FSDP2), with the collective
+watch and the hot-expert replicas that follow from the mesh.
+
+The layout also says how a step's gradients are finished: over the mesh (the expert gradients
+divided by the EP size, one global norm) or, in one process, plain clipping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .. import device as devices
+from ..config import ParallelConfig, RunConfig
+from ..device import Placement
+from ..distributed import parallelize as par
+from ..distributed.mesh import Meshes, build_meshes
+from ..distributed.watch import CommWatch, build_watch
+from ..model import MoEModel
+from .ep_replicas_train import HotReplicas
+
+AllReduce = Callable[[torch.Tensor, str], None]  # (tensor, "sum" | "max"), in place, over the dp ranks
+
+
+@dataclass
+class Layout:
+    placement: Placement
+    distributed: bool  # a process group is initialised (one process with one included)
+    world_size: int
+    rank: int
+    parallel: ParallelConfig  # with its token bound filled in (buffered EP's fixed buffers)
+    param_counts: dict[str, int] = field(default_factory=dict)  # before sharding: global counts
+    meshes: Meshes | None = None  # None in one process
+    expert_names: list[str] = field(default_factory=list)  # the EP-sharded parameters
+    reduce: AllReduce | None = None  # in-place sum/max over the data-parallel ranks
+    comm_watch: CommWatch | None = None  # None in one process
+    replicas: HotReplicas | None = None  # parallel.replicate_hot_experts > 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.placement.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def finish_grads(self, model: MoEModel, grad_clip: float) -> torch.Tensor:
+        """After the step's backward passes: the global gradient norm (a device scalar), clipped to
+        `grad_clip` unless 0."""
+        if self.meshes is not None:
+            return par.finish_grads_(model, self.expert_names, self.meshes.mesh.size(1), grad_clip,
+                                     self.meshes.dp_group)
+        if grad_clip > 0:
+            return torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        return torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+
+
+def build_layout(cfg: RunConfig, device: torch.device | str | None = None) -> Layout:
+    """The placement and the process facts; seeds the global RNG (`train.seed`), which the model's
+    initial weights draw from. `device` overrides `train.device`."""
+    t = cfg.train
+    backend = dist.get_backend() if dist.is_initialized() else None
+    placement = devices.resolve(device if device is not None else t.device, t.dtype, backend)
+    devices.activate(placement.device)
+    if t.threads:
+        torch.set_num_threads(t.threads)
+    if t.deterministic:
+        devices.deterministic(placement.device)
+    torch.manual_seed(t.seed)
+    distributed = dist.is_initialized()
+    # buffered EP: the shared bound on a micro-batch's tokens; a replayed record's sequences are as
+    # long as model.max_seq_len, not train.seq_len (data/replay.py)
+    longest = cfg.model.max_seq_len if cfg.data.replay_routing else t.seq_len
+    return Layout(placement, distributed, world_size=dist.get_world_size() if distributed else 1,
+                  rank=dist.get_rank() if distributed else 0,
+                  parallel=cfg.parallel.with_token_bound(t.batch_size * longest))
+
+
+def place_model(cfg: RunConfig, layout: Layout,
+                init_weights: Callable[[MoEModel], None] | None = None) -> tuple[Layout, MoEModel]:
+    """The model on the layout's device, parallelised over its processes; the layout returned with
+    the mesh, the reduction, the watch and the replicas filled in."""
+    p = layout.parallel
+    if not layout.distributed and p.ep_size > 1:
+        raise ValueError(f"parallel.ep_size={p.ep_size}: expert parallelism needs several processes "
+                         "(dropless train --nproc N, or torchrun -m dropless.train)")
+    # Built on the CPU with the same seed on every rank and device: identical initial weights.
+    model = MoEModel(cfg.model)
+    if init_weights is not None:
+        init_weights(model)
+    model = model.to(layout.device)
+    layout = dataclasses.replace(layout, param_counts=model.num_params())
+    if layout.distributed:
+        layout.meshes = build_meshes(p.ep_size, layout.device.type)
+        layout.expert_names = par.parallelize_model(model, layout.meshes, p)
+        layout.reduce = par.dp_all_reduce(layout.meshes.dp_group)
+    layout.comm_watch = build_watch(layout.meshes, layout.device, p)
+    layout.replicas = HotReplicas.build(model, layout.meshes, p, layout.device)  # before the guards
+    return layout, model
