@@ -8,8 +8,7 @@ No two factors set the same field (tests/check/test_matrix.py checks it), so any
 in a row. Two spellings are not config:
 - `{model.moe.num_experts}` in a value is replaced by that field's value in the row (k = E whatever E);
 - `stage.NAME=value` is an option of a stage, not a config field (`resume_optimizer`: the resume with a
-  changed train field also changes train.optimizer; `world`: the processes the row trains with, where
-  the config alone does not say it: data parallel at ep_size 1).
+  changed train field also changes train.optimizer).
 
 Widths are chosen so each value is legal on its own with `BASE` (d_model 64, d_expert 32: blocks of 32
 for mxfp8/mxfp4, 16 for nvfp4); fp8_blockwise's 128-wide blocks come with their own widths. What is
@@ -91,7 +90,7 @@ FACTORS: list[tuple[str, dict[str, list[str]]]] = [
     ("dtype", {"fp32": [], "bf16": ["train.dtype=bf16"]}),
     ("compile", {"eager": [], "compile": ["train.compile=true"]}),
     ("grad_accum", {"1": [], "accum2": ["train.grad_accum=2"]}),
-    ("layout", {"1proc": [], "dp2-check": ["stage.world=2", "parallel.check_collectives=true"], "ep2": EP2,
+    ("layout", {"1proc": [], "ep2": EP2,
                 "ep2-buf-spill": [*BUFFERED, "parallel.ragged_buffer_factor=1.0", "parallel.on_overflow=spill",
                                   "parallel.dedup=false"],
                 "ep2-buf-auto-hot": [*BUFFERED, "parallel.ragged_buffer_factor=auto", "parallel.on_overflow=retry",
@@ -133,7 +132,7 @@ LEFT_OUT = {
                                                                               "their own",
     "parallel.max_tokens_per_rank, collective_timeout_s, a2a_alarm_ratio, retry_on_overflow": "bounds and "
         "alarms on the EP values' paths (on_overflow supersedes retry_on_overflow)",
-    "ep_size 4, data parallel beside EP (world 4)": "CI has 2 cores: the rows train at world 2 at most",
+    "world 2 without EP (ep_size 1), ep_size 4": "CI has 2 cores: the EP rows are the world-2 rows",
     "train.device cuda, train.deterministic": "the CPU CI trains deterministically on the CPU",
 }
 

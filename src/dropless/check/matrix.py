@@ -76,9 +76,7 @@ def row_numbers(text: str | None, n: int) -> list[int]:
 
 
 def is_ep(values: list[fx.Value]) -> bool:
-    """The row trains at world 2 (expert parallel, or data parallel through `stage.world`)."""
-    return any((o.startswith("parallel.ep_size=") and o != "parallel.ep_size=1")
-               or (o.startswith("stage.world=") and o != "stage.world=1") for v in values for o in v.overrides)
+    return any(o.startswith("parallel.ep_size=") and o != "parallel.ep_size=1" for v in values for o in v.overrides)
 
 
 def compiles(values: list[fx.Value]) -> bool:

@@ -53,8 +53,7 @@ class Ctx:
 
     @property
     def row_world(self) -> int:
-        """The row's processes: its `stage.world` option (data parallel), else 2 under EP, else 1."""
-        return int(self.options.get("world", 2 if self.cfg.parallel.ep_size > 1 else 1))
+        return 2 if self.cfg.parallel.ep_size > 1 else 1
 
     @property
     def world(self) -> int:
