@@ -132,7 +132,10 @@ LEFT_OUT = {
                                                                               "their own",
     "parallel.max_tokens_per_rank, collective_timeout_s, a2a_alarm_ratio, retry_on_overflow": "bounds and "
         "alarms on the EP values' paths (on_overflow supersedes retry_on_overflow)",
-    "world 2 without EP (ep_size 1), ep_size 4": "CI has 2 cores: the EP rows are the world-2 rows",
+    "world 2 without EP (ep_size 1)": "validation does not see the world size, so a pair data parallel "
+        "cannot take (the capacity baseline: ranks install the EP dispatcher at ep_size 1 too) would stop at "
+        "launch instead of being refused; tests/distributed/ trains it, with check_collectives on",
+    "ep_size 4": "CI has 2 cores: the EP rows are the world-2 rows",
     "train.device cuda, train.deterministic": "the CPU CI trains deterministically on the CPU",
 }
 

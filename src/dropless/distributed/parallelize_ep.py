@@ -28,8 +28,8 @@ def shard_moe_layer(layer: MoELayer, group: ProcessGroup | None,
     if cfg.ep_size != world:
         raise ValueError(f"parallel.ep_size={cfg.ep_size}: the EP group has {world} ranks")
     if layer.cfg.capacity_factor is not None:
-        raise ValueError(f"moe.capacity_factor={layer.cfg.capacity_factor}: expert parallelism is dropless; "
-                         "the capacity baseline is single-device only")
+        raise ValueError(f"model.moe.capacity_factor={layer.cfg.capacity_factor}: expert parallelism is "
+                         "dropless; the capacity baseline is single-device only")
     slots = layer.slots.sharded(world)  # ValueError unless the group divides the routed experts
     L = slots.local
     experts = layer.experts
