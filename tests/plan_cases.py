@@ -23,3 +23,17 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def check_two_ranks(cfg) -> None:
+    """The plan of `cfg` at world 2 against a measured run on two gloo processes: the states exact,
+    the all-to-all buffers to 0.1%, the activations within 2%."""
+    from dropless.plan.model import plan
+    from dropless.plan.validate import measured_max
+
+    measured = measured_max(cfg, 2, steps=1)
+    p = plan(cfg, 2)
+    for comp in ("params", "grads", "optimizer"):
+        assert getattr(p, comp) == measured[comp], comp
+    assert abs(p.ep_buffers / measured["ep_buffers"] - 1) < 0.001, (p.ep_buffers, measured["ep_buffers"])
+    assert abs(p.activations / measured["activations"] - 1) < 0.02, (p.activations, measured["activations"])
