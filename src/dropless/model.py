@@ -39,7 +39,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .expert_slots import ExpertSlots
-from .layers import offload, recompute
+from .layers import init, offload, recompute
 from .layers.kv_cache import KVCache, LayerKVCache
 from .layers.mla import LatentAttention
 from .layers.mlp import MLP
@@ -211,32 +211,52 @@ def _rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class MoEModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, seed: int | None = None) -> None:
+        """Initial weights: a function of `seed` and each parameter's name (layers/init.py), the
+        same whatever device or sharding later holds them; without `seed`, one drawn from the global
+        generator (so `torch.manual_seed` still decides them). Built on the meta device (under
+        `torch.device("meta")`) nothing is drawn: `materialize` then `init_weights` (or a load)."""
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         # what activation offload moved (layers/offload.py): `offloader.counter`; None without offload
         self.offloader = offload.Offloader() if cfg.offload else None
-        moe_ids = set(cfg.moe_layer_ids)  # model.n_dense_layers, model.moe_layer_freq (model_knobs.py)
-        self.blocks = nn.ModuleList(Block(cfg, moe=i in moe_ids, offloader=self.offloader)
-                                    for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        # multi-token prediction (layers/mtp.py): dense blocks, the embedding and head shared
-        self.mtp = nn.ModuleList(
-            MTPModule(cfg.d_model, Block(cfg, moe=False, offloader=self.offloader),
-                      lambda: RMSNorm(cfg.d_model, cfg.norm_eps)) for _ in range(cfg.mtp_depth))
-        nn.init.normal_(self.embed.weight, std=cfg.init_std)
+        target = torch.get_default_device()
+        with torch.device("meta"):  # the modules' shapes; their values come from init_weights
+            # (given its weight: nn.Embedding's own init would draw on meta, which imports torch._dynamo)
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, _weight=torch.empty(cfg.vocab_size, cfg.d_model))
+            moe_ids = set(cfg.moe_layer_ids)  # model.n_dense_layers, model.moe_layer_freq (model_knobs.py)
+            self.blocks = nn.ModuleList(Block(cfg, moe=i in moe_ids, offloader=self.offloader)
+                                        for i in range(cfg.n_layers))
+            self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+            self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+            # multi-token prediction (layers/mtp.py): dense blocks, the embedding and head shared
+            self.mtp = nn.ModuleList(
+                MTPModule(cfg.d_model, Block(cfg, moe=False, offloader=self.offloader),
+                          lambda: RMSNorm(cfg.d_model, cfg.norm_eps)) for _ in range(cfg.mtp_depth))
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
-        else:
-            nn.init.normal_(self.head.weight, std=cfg.init_std)
-        # Residual branches start small so that depth does not blow up the residual stream.
-        for block in [*self.blocks, *(m.block for m in self.mtp)]:
-            nn.init.normal_(block.attn.out.weight, std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
         cos, sin = _rope_tables(cfg)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("rope_cos", cos.to(target), persistent=False)
+        self.register_buffer("rope_sin", sin.to(target), persistent=False)
+        if target.type != "meta":
+            self.materialize(target)
+            self.init_weights(int(torch.randint(0, 2**62, ()).item()) if seed is None else seed)
+
+    def init_rules(self) -> dict[str, init.Rule]:
+        """The model's own rules over its modules' (layers/init.py): embeddings and head N(0, init_std);
+        the attention output projections N(0, init_std / sqrt(2 n_layers)), so that residual
+        branches start small and depth does not blow up the residual stream."""
+        std = self.cfg.init_std
+        rules = {"embed.weight": init.normal(std), "head.weight": init.normal(std)}
+        for name, module in self.named_modules():
+            if isinstance(module, Block):
+                rules[f"{name}.attn.out.weight"] = init.normal(std / (2 * self.cfg.n_layers) ** 0.5)
+        return rules
+
+    def init_weights(self, seed: int, where: init.Where = init.whole) -> None:
+        """Every parameter's initial values from (seed, its name): each process fills the rows
+        `where` says it holds (layers/init.py; one process: all of them)."""
+        init.init_parameters(self, seed, where)
 
     def materialize(self, device: torch.device | str) -> "MoEModel":
         """A model built on the meta device, on `device`: parameters and persistent buffers allocated
@@ -247,6 +267,9 @@ class MoEModel(nn.Module):
             self.head.weight = self.embed.weight
         cos, sin = _rope_tables(self.cfg)
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+        for module in self.modules():  # buffers with an initial value (the routers')
+            if hasattr(module, "reset_buffers"):
+                module.reset_buffers()
         return self
 
     def moe_layers(self) -> list[MoELayer]:

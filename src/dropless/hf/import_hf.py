@@ -36,27 +36,21 @@ import torch
 
 from .. import atomic
 from ..config import DataConfig, ModelConfig, RunConfig, apply_overrides, save_config, to_dict
+from ..distributed.materialize import build_model
+from ..layers import init
 from ..model import MoEModel
-from . import fp8, mapping
+from . import fp8, mapping, shard_load
 
-INDEX_FILE = "model.safetensors.index.json"
+INDEX_FILE = shard_load.INDEX_FILE
 SINGLE_FILE = "model.safetensors"
 # copied with the tokenizer (whichever exist): what transformers' AutoTokenizer and generate read
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model",
                    "added_tokens.json", "chat_template.jinja")
-# buffers some older checkpoints store (recomputed from the config by both libraries)
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def _safetensors() -> Any:
-    try:
-        import safetensors.torch  # noqa: F401
-        from safetensors import safe_open
-    except ImportError as e:
-        raise ImportError("dropless import-hf / export-hf need `safetensors`: pip install safetensors "
-                          "(or pip install 'dropless[hf]')") from e
-    return safe_open
+    return shard_load.safe_open()
 
 
 def read_config(hf_dir: str | Path) -> dict[str, Any]:
@@ -84,109 +78,37 @@ def shard_files(hf_dir: str | Path) -> list[Path]:
     raise ValueError(f"{d}: no {SINGLE_FILE} and no {INDEX_FILE}")
 
 
-def _tensors(path: Path, only: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of a shard, one at a time; `only`: just that tensor, when it is there."""
-    safe_open = _safetensors()
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                if only is None or name == only:
-                    yield name, f.get_tensor(name)
-    except Exception as e:  # safetensors raises its own SafetensorError (truncated file, bad header)
-        raise ValueError(f"{path}: cannot read safetensors file ({type(e).__name__}: {e})") from e
+def load_weights(model: MoEModel, hf_dir: str | Path, family: str, progress: bool = False,
+                 where: init.Where = init.whole) -> shard_load.LoadStats:
+    """Fill `model` (built from the same config.json, materialised; possibly sharded: `where` says
+    which rows of each parameter this process holds) from the checkpoint (hf/shard_load.py)."""
+    return shard_load.load_local(model, hf_dir, family, shard_files(hf_dir), fp8.block_size(read_config(hf_dir)),
+                                 where, progress)
 
 
-@torch.no_grad()
-def load_weights(model: MoEModel, hf_dir: str | Path, family: str, progress: bool = False) -> None:
-    """Fill `model` (built from the same config.json) from the checkpoint's shards (module note)."""
-    n_layers, tied = len(model.blocks), model.head.weight is model.embed.weight
-    table = {s.hf_name: s for s in mapping.slots(model, family)}
-    alternates = {s.hf_name: s for s in mapping.fused_slots(model, family)}
-    params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    filled: dict[str, int] = defaultdict(int)
-    seen: set[str] = set()
-    unexpected: list[str] = []
-    mtp: set[int] = set()
-    block = fp8.block_size(read_config(hf_dir))
-    files = shard_files(hf_dir)
-    index = Path(hf_dir) / INDEX_FILE
-    weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else {}
-    bar = _progress(files, progress)
-    for path in bar:
-        for name, t in _tensors(path):
-            slot = table.get(name) or alternates.get(name)
-            if slot is None:
-                layer = _layer_index(name)
-                if family == "deepseek_v3" and layer is not None and layer >= n_layers:
-                    mtp.add(layer)  # a multi-token-prediction layer: not part of the model
-                elif name.endswith(fp8.SCALE_SUFFIX) and block is not None:
-                    pass  # read with its weight
-                elif not (name == "lm_head.weight" and tied) and not name.endswith(IGNORED_SUFFIXES):
-                    unexpected.append(name)
-                continue
-            if t.dtype in fp8.FP8_DTYPES and block is not None:
-                t = fp8.dequantize(t, _scale_of(hf_dir, weight_map, name, path), block) if tuple(t.shape) == slot.shape else t
-            elif t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-                raise ValueError(f"tensor {name} in {path.name}: dtype {t.dtype} is not supported "
-                                 "(fp32, bf16, fp16, or float8_e4m3fn with block scales and a "
-                                 "quantization_config in config.json)")
-            if tuple(t.shape) != slot.shape:
-                raise ValueError(f"tensor {name} in {path.name}: shape {tuple(t.shape)}, but config.json "
-                                 f"implies {slot.shape}")
-            p = params[slot.param]
-            region = p[slot.index] if slot.index else p
-            region.copy_(t.transpose(-1, -2) if slot.transpose else t)
-            filled[slot.param] += t.numel()
-            seen.add(name)
-    if mtp:
-        warnings.warn(f"{hf_dir}: skipped the multi-token-prediction layer(s) {sorted(mtp)} (layer index >= "
-                      f"num_hidden_layers={n_layers}): dropless neither trains nor exports MTP layers",
-                      stacklevel=2)
-    if unexpected:
-        raise ValueError(f"unexpected tensors (not part of a {family} model with this config.json): "
-                         f"{', '.join(sorted(unexpected)[:8])}{' ...' if len(unexpected) > 8 else ''}")
-    twice = [n for n, c in filled.items() if c > params[n].numel()]
-    if twice:
-        raise ValueError(f"the checkpoint holds some weights twice (per-expert and fused layouts?): {twice[:4]}")
-    missing = [s.hf_name for s in table.values() if s.hf_name not in seen and filled[s.param] < params[s.param].numel()]
-    if missing:
-        raise ValueError(f"missing tensors: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+class WeightLoader:
+    """What the trainer calls on its freshly materialised (possibly sharded) model to fill it from
+    the checkpoint; `bytes_read` then says how much this process read."""
 
+    def __init__(self, hf_dir: str | Path, progress: bool = False) -> None:
+        self.hf_dir, self.progress = Path(hf_dir), progress
+        self.family = read_config(hf_dir)["model_type"]
+        self.stats: shard_load.LoadStats | None = None
 
-def _layer_index(name: str) -> int | None:
-    parts = name.split(".")
-    if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
-        return int(parts[2])
-    return None
+    @property
+    def bytes_read(self) -> int | None:
+        return None if self.stats is None else self.stats.bytes_read
 
-
-def _scale_of(hf_dir: str | Path, weight_map: dict[str, str], name: str, path: Path) -> torch.Tensor:
-    """The block scales of the FP8 weight `name` (read from `path`), from whichever shard the index
-    puts them in (one tensor read through the memory map)."""
-    scale = name + fp8.SCALE_SUFFIX
-    where = Path(hf_dir) / weight_map.get(scale, path.name)
-    for n, t in _tensors(where, only=scale):
-        return t
-    raise ValueError(f"tensor {name} in {path.name}: float8 weight without its {scale} "
-                     f"(looked in {where.name})")
-
-
-def _progress(items: list[Path], enabled: bool) -> Any:
-    if not enabled:
-        return items
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return items
-    return tqdm(items, desc="shards", unit="shard", file=sys.stderr)
+    def __call__(self, model: MoEModel, where: init.Where = init.whole) -> None:
+        self.stats = load_weights(model, self.hf_dir, self.family, self.progress, where)
 
 
 def load_model(hf_dir: str | Path, progress: bool = False) -> tuple[MoEModel, str]:
-    """The dropless model of an HF checkpoint folder (fp32, CPU, eval mode) and its family."""
+    """The dropless model of an HF checkpoint folder (fp32, CPU, eval mode) and its family: built on
+    the meta device and filled straight from the files (no initial weights drawn)."""
     cfg, family = mapping.model_config(read_config(hf_dir))
     shard_files(hf_dir)  # a missing weight file fails before the model is allocated
-    model = MoEModel(cfg)
-    load_weights(model, hf_dir, family, progress)
+    model, _, _ = build_model(cfg, torch.device("cpu"), 0, fill=WeightLoader(hf_dir, progress))
     return model.eval(), family
 
 
@@ -215,10 +137,9 @@ def init_config(hf_dir: str | Path, base: RunConfig, overrides: list[str]) -> Ru
     return run_config(model_cfg, (hf_dir / "tokenizer.json").absolute(), overrides, base)
 
 
-def weight_loader(hf_dir: str | Path, progress: bool = False) -> Callable[[MoEModel], None]:
+def weight_loader(hf_dir: str | Path, progress: bool = False) -> WeightLoader:
     """What the trainer calls on its freshly built model to fill it from the checkpoint."""
-    family = read_config(hf_dir)["model_type"]
-    return lambda model: load_weights(model, hf_dir, family, progress)
+    return WeightLoader(hf_dir, progress)
 
 
 def describe_balancing(cfg: ModelConfig, hf: dict[str, Any]) -> str:
@@ -298,8 +219,8 @@ def write_run(hf_dir: str | Path, out: str | Path, overrides: list[str] | None =
     model_cfg, family = mapping.model_config(read_config(hf_dir))
     cfg = run_config(model_cfg, out / "tokenizer" / "tokenizer.json", overrides or [])  # fails before loading
     shard_files(hf_dir)
-    model = MoEModel(cfg.model)  # (only balancing/compute fields of model. may differ from model_cfg)
-    load_weights(model, hf_dir, family, progress)
+    # (only balancing/compute fields of model. may differ from model_cfg)
+    model, _, _ = build_model(cfg.model, torch.device("cpu"), 0, fill=WeightLoader(hf_dir, progress))
     save_run(model, cfg, hf_dir, out, {"family": family})
     return cfg
 
@@ -312,9 +233,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="a.b=value",
                    help="override a field of the run's config (repeatable)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--nproc", type=int, default=0,
+                   help="processes (torchrun): each holds and reads only its shards (hf/import_world.py)")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
+    from . import import_world
+
     try:
-        cfg = write_run(args.hf_dir, args.out, args.overrides, progress=not args.no_progress)
+        if args.nproc < 0:
+            raise ValueError(f"--nproc {args.nproc}: must be >= 1")
+        if import_world.under_torchrun():
+            import_world.write_run_sharded(args.hf_dir, args.out, args.overrides, not args.no_progress)
+            return 0  # the launching process reports
+        elif args.nproc > 1:
+            hf_dir, out = Path(args.hf_dir), Path(args.out).absolute()
+            check_out(hf_dir, out, args.overrides)  # refused here, before N processes start
+            cfg = run_config(mapping.model_config(read_config(hf_dir))[0], out / "tokenizer" / "tokenizer.json",
+                             args.overrides)
+            if args.nproc % cfg.parallel.ep_size:
+                raise ValueError(f"parallel.ep_size={cfg.parallel.ep_size} does not divide --nproc {args.nproc}")
+            shard_files(hf_dir)
+            rest = [a for i, a in enumerate(argv) if not (a == "--nproc" or a.startswith("--nproc=") or
+                                                         (i > 0 and argv[i - 1] == "--nproc"))]
+            code = import_world.launch(args.nproc, rest)
+            if code:
+                return code
+        else:
+            cfg = write_run(args.hf_dir, args.out, args.overrides, progress=not args.no_progress)
     except (ValueError, FileNotFoundError) as err:
         print(f"dropless import-hf: error: {err}", file=sys.stderr)
         return 2

@@ -43,6 +43,7 @@ from ..ops.activations import activation, is_gated, weighted_swiglu
 from ..ops.autocast import autocast_available
 from ..ops.lean_experts import BACKENDS as LEAN_BACKENDS
 from ..ops.lean_experts import RowSource, lean_experts
+from . import init
 
 
 @dataclass(frozen=True)
@@ -85,9 +86,13 @@ class GroupedExperts(nn.Module):
         self.w_down_EFD = nn.Parameter(torch.empty(num_experts, d_expert, d_model))
         self.reset_parameters()
 
+    def init_rules(self) -> dict[str, init.Rule]:
+        """N(0, 1/fan_in) for both stacks (layers/init.py)."""
+        return {"w_gate_up_EDF": init.normal(self.w_gate_up_EDF.shape[1] ** -0.5),
+                "w_down_EFD": init.normal(self.w_down_EFD.shape[1] ** -0.5)}
+
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.w_gate_up_EDF, std=self.w_gate_up_EDF.shape[1] ** -0.5)
-        nn.init.normal_(self.w_down_EFD, std=self.w_down_EFD.shape[1] ** -0.5)
+        init.apply_rules(self)
 
     def forward(self, batch: ExpertBatch) -> torch.Tensor:
         w_up, w_down = self.w_gate_up_EDF, self.w_down_EFD

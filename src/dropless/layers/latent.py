@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import init
 from .norm import RMSNorm
 
 
@@ -37,8 +38,11 @@ class LatentProjection(nn.Module):
         self.down = nn.Linear(d_model, latent_dim, bias=False)
         self.up = nn.Linear(latent_dim, d_model, bias=False)
         self.norm = RMSNorm(latent_dim, eps) if norm else None
-        nn.init.normal_(self.down.weight, std=d_model ** -0.5)
-        nn.init.normal_(self.up.weight, std=latent_dim ** -0.5)
+        init.apply_rules(self)
+
+    def init_rules(self) -> dict[str, init.Rule]:
+        return {"down.weight": init.normal(self.down.in_features ** -0.5),
+                "up.weight": init.normal(self.up.in_features ** -0.5)}
 
     def project_down(self, x_TD: torch.Tensor) -> torch.Tensor:
         x_TL = self.down(x_TD)

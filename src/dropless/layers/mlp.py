@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..ops.activations import activation, is_gated, weighted_swiglu
+from . import init
 
 
 class MLP(nn.Module):
@@ -23,8 +24,12 @@ class MLP(nn.Module):
         width = 2 * d_hidden if is_gated(kind) else d_hidden
         self.gate_up = nn.Linear(d_model, width, bias=False)
         self.down = nn.Linear(d_hidden, d_model, bias=False)
-        nn.init.normal_(self.gate_up.weight, std=d_model ** -0.5)
-        nn.init.normal_(self.down.weight, std=d_hidden ** -0.5)
+        init.apply_rules(self)
+
+    def init_rules(self) -> dict[str, init.Rule]:
+        """N(0, 1/fan_in) for both projections (layers/init.py)."""
+        return {"gate_up.weight": init.normal(self.gate_up.in_features ** -0.5),
+                "down.weight": init.normal(self.down.in_features ** -0.5)}
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:  # any leading dims: [..., D]
         h = self.gate_up(x_TD)

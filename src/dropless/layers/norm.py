@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..ops.rms_norm import rms_norm
+from . import init
 
 
 class RMSNorm(nn.Module):
@@ -18,6 +19,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+
+    def init_rules(self) -> dict[str, init.Rule]:
+        return {"weight": init.const(1.0)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)

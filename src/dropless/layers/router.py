@@ -31,6 +31,7 @@ from torch import nn
 from ..config import RouterConfig
 from ..ops import routing
 from ..ops.autocast import autocast_available
+from . import init
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class Router(nn.Module):
         self.cfg = cfg
         self.num_experts = num_experts
         self.top_k = top_k
+        self.adaptive_bias_rate = adaptive_bias_rate
         self.weight = nn.Parameter(torch.empty(num_experts, d_model, dtype=torch.float32))
         if cfg.use_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
@@ -66,8 +68,24 @@ class Router(nn.Module):
                                  routing.make_hash_table(cfg.hash_buckets, num_experts, top_k))
         self.reset_parameters()
 
+    def init_rules(self) -> dict[str, init.Rule]:
+        return {"weight": init.normal(self.weight.shape[1] ** -0.5)}
+
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, std=self.weight.shape[1] ** -0.5)
+        init.apply_rules(self)
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """The buffers' initial values (after `to_empty` on a model built on the meta device)."""
+        for name in ("expert_bias", "bias_sign_E", "threshold_E", "threshold_ready"):
+            b = getattr(self, name, None)
+            if b is not None:
+                b.zero_()
+        if hasattr(self, "bias_step_E"):
+            self.bias_step_E.fill_(self.adaptive_bias_rate)
+        if hasattr(self, "hash_table_VK"):
+            c = self.cfg
+            self.hash_table_VK.copy_(routing.make_hash_table(c.hash_buckets, self.num_experts, self.top_k))
 
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
         dev = x_TD.device.type  # "meta" has no autocast to turn off

@@ -3,10 +3,12 @@
 `build_layout` decides once, before anything is built: the placement (device.py: device, autocast
 dtype, and why), the process facts (rank, world size; a process group is initialised beforehand,
 e.g. by torchrun), the CPU threads, determinism and the global seed. `place_model` then builds the
-model on the CPU (the same seeded weights on every device and rank), fills it (`init_weights`, e.g.
-a Hugging Face checkpoint), moves it to the device with its buffers and, under several processes,
-parallelises it from outside (distributed/parallelize.py: EP, then FSDP2), with the collective
-watch and the hot-expert replicas that follow from the mesh.
+model on the meta device, parallelises it there under several processes (distributed/parallelize.py:
+EP, then FSDP2), and has each rank allocate its own shards on the device and fill them
+(distributed/materialize.py): the initial weights of `train.seed` (the same values at every world
+size and layout) or `init_weights`, a loader that writes each rank's rows (e.g. a Hugging Face
+checkpoint read slice by slice); then the collective watch and the hot-expert replicas that follow
+from the mesh.
 
 The layout also says how a step's gradients are finished: over the mesh (the expert gradients
 divided by the EP size, one global norm) or, in one process, plain clipping.
@@ -25,6 +27,7 @@ from .. import device as devices
 from ..config import ParallelConfig, RunConfig
 from ..device import Placement
 from ..distributed import parallelize as par
+from ..distributed.materialize import Fill, build_model
 from ..distributed.mesh import Meshes, build_meshes
 from ..distributed.watch import CommWatch, build_watch
 from ..model import MoEModel
@@ -87,24 +90,22 @@ def build_layout(cfg: RunConfig, device: torch.device | str | None = None) -> La
                   parallel=cfg.parallel.with_token_bound(t.batch_size * longest))
 
 
-def place_model(cfg: RunConfig, layout: Layout,
-                init_weights: Callable[[MoEModel], None] | None = None) -> tuple[Layout, MoEModel]:
+def place_model(cfg: RunConfig, layout: Layout, init_weights: Fill | None = None) -> tuple[Layout, MoEModel]:
     """The model on the layout's device, parallelised over its processes; the layout returned with
     the mesh, the reduction, the watch and the replicas filled in."""
     p = layout.parallel
     if not layout.distributed and p.ep_size > 1:
         raise ValueError(f"parallel.ep_size={p.ep_size}: expert parallelism needs several processes "
                          "(dropless train --nproc N, or torchrun -m dropless.train)")
-    # Built on the CPU with the same seed on every rank and device: identical initial weights.
-    model = MoEModel(cfg.model)
-    if init_weights is not None:
-        init_weights(model)
-    model = model.to(layout.device)
-    layout = dataclasses.replace(layout, param_counts=model.num_params())
-    if layout.distributed:
-        layout.meshes = build_meshes(p.ep_size, layout.device.type)
-        layout.expert_names = par.parallelize_model(model, layout.meshes, p)
-        layout.reduce = par.dp_all_reduce(layout.meshes.dp_group)
+    # Built on the meta device, parallelised there, then each rank allocates and fills its own
+    # shards (distributed/materialize.py): the initial weights are a function of (train.seed,
+    # parameter name), the same at every world size and EP layout
+    meshes = build_meshes(p.ep_size, layout.device.type) if layout.distributed else None
+    model, names, counts = build_model(cfg.model, layout.device, cfg.train.seed, meshes, p, init_weights)
+    layout = dataclasses.replace(layout, param_counts=counts)
+    if meshes is not None:
+        layout.meshes, layout.expert_names = meshes, names
+        layout.reduce = par.dp_all_reduce(meshes.dp_group)
     layout.comm_watch = build_watch(layout.meshes, layout.device, p)
     layout.replicas = HotReplicas.build(model, layout.meshes, p, layout.device)  # before the guards
     return layout, model
