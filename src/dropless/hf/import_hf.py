@@ -171,7 +171,7 @@ def _scale_of(hf_dir: str | Path, weight_map: dict[str, str], name: str, path: P
                      f"(looked in {where.name})")
 
 
-def _progress(items: list[Path], enabled: bool) -> Any:
+def _progress(items: list[Any], enabled: bool) -> Any:
     if not enabled:
         return items
     try:
