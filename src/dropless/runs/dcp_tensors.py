@@ -5,9 +5,10 @@ world size and expert-parallel size wrote it: the routed experts as one [E, ...]
 from every rank's slice. Its `.metadata` file lists each tensor's global shape and dtype, so a reader
 can check a checkpoint against a model built on the meta device, and then load one tensor at a time:
 a DCP load (`no_dist=True`: no process group) of a state dict holding that one tensor, allocated at
-its global shape and stored dtype, with a planner that allows a partial load (the checkpoint holds
-every other tensor and the optimizer state too). DCP reads only the pieces that tensor is made of,
-from whichever rank files hold them.
+its global shape and stored dtype. DCP reads only the pieces that tensor is made of, from whichever
+rank files hold them; the checkpoint's other tensors (and the optimizer state) are simply not asked
+for. The planner is the strict default on purpose: `allow_partial_load=True` means "a requested key
+may be absent from the checkpoint", and would hand back the uninitialised tensor for a wrong name.
 
 Memory: the tensor returned, plus, while it is read, the one stored piece DCP is copying into it
 (FileSystemReader deserialises each stored piece, then copies it into place). Nothing is cached:
@@ -82,7 +83,7 @@ class DCPTensors:
             # no_dist=True is the intent here: DCP still warns that no process group exists
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load({MODEL_PREFIX + name: t}, checkpoint_id=str(self.path), no_dist=True,
-                     planner=DefaultLoadPlanner(allow_partial_load=True))
+                     planner=DefaultLoadPlanner())  # strict: a missing key raises (module note)
         return t
 
 
