@@ -245,7 +245,7 @@ def quantize_report(ctx: Ctx) -> None:
 def export(ctx: Ctx) -> None:
     family = hf_check.family(ctx.cfg.model)
     out = ctx.root / "hf"
-    ctx.call("export-hf", ctx.run, "--out", out, "--family", family or hf_check.FALLBACK)
+    ctx.call("export-hf", ctx.run, "--out", out, "--family", family or hf_check.FALLBACK, "--no-progress")
     expect(family is not None, "exported a model no family can express")
     ctx.notes.setdefault("export", []).append(hf_check.load_export(ctx.run, out))
 

@@ -1,7 +1,7 @@
 """`dropless export-hf RUN_DIR --out DIR --family qwen3_moe|mixtral|deepseek_v3`: a run as a Hugging Face checkpoint.
 
     dropless export-hf RUN_DIR --out DIR --family qwen3_moe|mixtral|deepseek_v3 [--dtype fp32|bf16]
-                       [--max-shard-size-mb N]
+                       [--max-shard-size-mb N] [--no-progress]
 
 Writes `config.json`, the weights as safetensors shards of at most N MiB with
 `model.safetensors.index.json` (one `model.safetensors` when they fit in one), and the run's tokenizer
@@ -20,9 +20,23 @@ model computes the same logits without them (as DeepSeek-V3's own inference drop
 None of the three families has a place for dropless's dense MTP block; DeepSeek-V3's
 `num_nextn_predict_layers` describes an MoE one, and the export writes 0 there.
 
-Streaming: huggingface_hub's `split_torch_state_dict_into_shards` plans the shards from the tensors'
-shapes alone; each shard's tensors are then copied out of the model (cast to the output dtype),
-written, and dropped, so at most one shard is held beside the model.
+Streaming, from the checkpoint itself: the model is never built. Its structure and shapes come from the
+model on the meta device (`mapping.meta_model`, `mapping.slots`); the checkpoint's metadata says each
+stored tensor's global shape and dtype, checked against it before anything is written (a ValueError
+naming the tensor). DCP checkpoints of any world size and expert-parallel size are read in this one
+process without a process group, one dropless parameter at a time (runs/dcp_tensors.py): the routed
+experts come back at their global [E, ...] shape whichever ranks held them.
+
+The HF tensors are ordered so that all slots of one dropless parameter are consecutive (every
+expert's gate and up halves of `w_gate_up_EDF`, then every expert's down), huggingface_hub's
+`split_torch_state_dict_into_shards` plans the shards from their shapes alone, and each shard is
+filled by reading each parameter it needs once (only the current one is kept), cutting its HF
+tensors out (cast to the output dtype, contiguous), written with safetensors, and dropped. Peak
+memory: one output shard plus one parameter (plus, while a parameter is read, the stored piece DCP
+copies into it). A parameter whose slots straddle a shard boundary stays cached into the next shard;
+it is read again only when huggingface_hub puts one of its slots, larger than the shard size, in a
+shard of its own out of order. An older one-process `state.pt` checkpoint is loaded whole (its
+pickle cannot be read a piece at a time) and written the same way.
 """
 
 from __future__ import annotations
@@ -38,8 +52,10 @@ import torch
 
 from .. import atomic
 from ..model import MoEModel
+from ..runs.dcp_tensors import Tensors, TensorSpec, check, open_tensors
 from . import mapping
 from .import_hf import INDEX_FILE, TOKENIZER_FILES, _safetensors
+from .shard_load import progress_bar
 
 DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16")}
 
@@ -53,34 +69,58 @@ def _split() -> Any:
     return split_torch_state_dict_into_shards
 
 
-def hf_tensor(params: dict[str, torch.Tensor], slot: mapping.Slot, dtype: torch.dtype) -> torch.Tensor:
-    """The HF tensor of `slot`: a fresh contiguous CPU copy of its region of the dropless parameter."""
-    p = params[slot.param].detach()
-    region = p[slot.index] if slot.index else p
+def by_parameter(table: list[mapping.Slot]) -> list[mapping.Slot]:
+    """The slots with all of one parameter's consecutive (parameters in order of first appearance,
+    the table's order within one), so that a shard reads each parameter once (module note)."""
+    first: dict[str, int] = {}
+    for s in table:
+        first.setdefault(s.param, len(first))
+    return sorted(table, key=lambda s: first[s.param])  # (stable)
+
+
+def expected_specs(model: MoEModel, table: list[mapping.Slot]) -> dict[str, TensorSpec]:
+    """The shape and dtype of every parameter (or buffer) the slots read, from the (meta) model."""
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    return {p: TensorSpec(tuple(tensors[p].shape), tensors[p].dtype) for p in dict.fromkeys(s.param for s in table)}
+
+
+def hf_tensor(param: torch.Tensor, slot: mapping.Slot, dtype: torch.dtype) -> torch.Tensor:
+    """The HF tensor of `slot`: a fresh contiguous CPU copy of its region of the dropless parameter,
+    cast to `dtype` (one allocation: the cast and the transpose happen in the copy)."""
+    region = param[slot.index] if slot.index else param
     t = region.transpose(-1, -2) if slot.transpose else region
-    return t.to(dtype=dtype, device="cpu", copy=True).contiguous()
+    return torch.empty(t.shape, dtype=dtype).copy_(t)
 
 
-def write_shards(model: MoEModel, family: str, dtype: torch.dtype, folder: Path, max_shard_bytes: int) -> list[str]:
-    """Write the model's HF tensors as safetensors shards of at most `max_shard_bytes` (a larger
-    tensor gets a shard of its own) and, when there are several, the index; returns the file names.
+def write_shards(tensors: Tensors, table: list[mapping.Slot], dtype: torch.dtype, folder: Path,
+                 max_shard_bytes: int, progress: bool = False) -> list[str]:
+    """Write the slots' HF tensors, read from `tensors`, as safetensors shards of at most
+    `max_shard_bytes` (a larger tensor gets a shard of its own) and, when there are several, the
+    index; returns the file names.
 
     huggingface_hub plans the shards (sizes, file names, the index) from meta placeholders of the
-    output shapes and dtype, and each shard is then copied out, written and dropped (module note).
-    Its `save_torch_state_dict` is not used: it takes the whole state dict at once, made contiguous
-    up front (a second copy of the model), and cannot take the expert regions as views (its
-    shared-storage check fails on the strided gate / up halves of one parameter)."""
+    output shapes and dtype; each shard is then filled from one parameter at a time, written and
+    dropped (module note). Its `save_torch_state_dict` is not used: it takes the whole state dict at
+    once."""
     split = _split()
     _safetensors()
     from safetensors.torch import save_file
 
-    table = {s.hf_name: s for s in mapping.slots(model, family)}
-    plan = split({n: torch.empty(s.shape, dtype=dtype, device="meta") for n, s in table.items()},
+    slots = {s.hf_name: s for s in by_parameter(table)}
+    plan = split({n: torch.empty(s.shape, dtype=dtype, device="meta") for n, s in slots.items()},
                  max_shard_size=max_shard_bytes)
-    params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    for filename, names in plan.filename_to_tensors.items():
-        shard = {n: hf_tensor(params, table[n], dtype) for n in names}
+    name: str | None = None
+    param: torch.Tensor | None = None  # the one parameter held: `name`
+    for filename in progress_bar(list(plan.filename_to_tensors), progress):
+        shard = {}
+        for n in plan.filename_to_tensors[filename]:
+            s = slots[n]
+            if s.param != name:
+                param = None  # dropped before the next one is read
+                param, name = tensors.read(s.param), s.param
+            shard[n] = hf_tensor(param, s, dtype)
         save_file(shard, str(folder / filename), metadata={"format": "pt"})
+        del shard
     files = list(plan.filename_to_tensors)
     if plan.is_sharded:
         index = {"metadata": plan.metadata, "weight_map": plan.tensor_to_filename}
@@ -96,9 +136,9 @@ def tokenizer_folder(tokenizer: str, tokenizer_path: str | None) -> Path | None:
 
 
 def export(run_dir: str | Path, out: str | Path, family: str, dtype: str = "fp32",
-           max_shard_mb: float = 5000.0) -> list[str]:
+           max_shard_mb: float = 5000.0, progress: bool = False) -> list[str]:
     """Export the latest checkpoint of `run_dir` (module note); returns the files written."""
-    from ..runs.load import load_model, run_config
+    from ..runs.load import run_config
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
@@ -110,20 +150,23 @@ def export(run_dir: str | Path, out: str | Path, family: str, dtype: str = "fp32
 
     if packed.is_packed_run(run_dir):
         raise ValueError(f"{run_dir}: a quantized run (4-bit experts); export the run it was quantized from")
-    cfg, _ = run_config(run_dir)
+    cfg, path = run_config(run_dir)
     torch_dtype, name = DTYPES[dtype]
     hf_cfg = mapping.hf_config(cfg.model, family, name)  # refuses what the family cannot express
     tok = tokenizer_folder(cfg.data.tokenizer, cfg.data.tokenizer_path)
     if tok is not None and not (tok / "tokenizer.json").is_file():
         raise ValueError(f"data.tokenizer_path={cfg.data.tokenizer_path!r}: no tokenizer.json there to export")
-    model, _ = load_model(run_dir)
+    model = mapping.meta_model(cfg.model)  # shapes only: no storage
+    table = mapping.slots(model, family)
+    tensors = open_tensors(path)
+    check(tensors, expected_specs(model, table), str(path))
     if cfg.model.mtp_depth:
         n = sum(p.numel() for p in model.mtp.parameters())
         print(f"dropless export-hf: model.mtp_depth={cfg.model.mtp_depth}: the multi-token prediction "
               f"modules ({n:,} parameters) are training-only and left out; the export is the main model",
               file=sys.stderr)
     with atomic.build_dir(out) as tmp:
-        files = write_shards(model, family, torch_dtype, tmp, int(max_shard_mb * 2**20))
+        files = write_shards(tensors, table, torch_dtype, tmp, int(max_shard_mb * 2**20), progress)
         if tok is not None:
             for n in TOKENIZER_FILES:
                 if (tok / n).is_file():
@@ -148,9 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--family", required=True, help=" | ".join(mapping.FAMILIES))
     p.add_argument("--dtype", default="fp32", help="fp32 | bf16 (the stored weights)")
     p.add_argument("--max-shard-size-mb", type=float, default=5000.0, help="largest shard, MiB")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = p.parse_args(argv)
     try:
-        files = export(args.run_dir, args.out, args.family, args.dtype, args.max_shard_size_mb)
+        files = export(args.run_dir, args.out, args.family, args.dtype, args.max_shard_size_mb,
+                       progress=not args.no_progress)
     except (ValueError, FileNotFoundError) as err:
         print(f"dropless export-hf: error: {err}", file=sys.stderr)
         return 2

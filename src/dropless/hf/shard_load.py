@@ -192,7 +192,7 @@ def load_local(model: MoEModel, hf_dir: str | Path, family: str, files: list[Pat
                 stats.largest_tensor_bytes = max(stats.largest_tensor_bytes, size)
     to_read = set(_check_names(slots, alternates, names, twin, family, block, globals_))
     parts = {p: where(p, t) for p, t in local.items()}
-    for path in _bar(files, progress):
+    for path in progress_bar(files, progress):
         with reader.handle(path) as f:
             for name in f.keys():
                 if name not in to_read:
@@ -220,7 +220,8 @@ def _read(f: Any, name: str, read: tuple, slot: mapping.Slot, reader: _Files, pa
     return sl[read] if read else sl[:]
 
 
-def _bar(items: list[Path], enabled: bool) -> Any:
+def progress_bar(items: list[Any], enabled: bool) -> Any:
+    """`items` with a tqdm bar over shards on stderr when enabled (and tqdm is installed)."""
     if not enabled:
         return items
     try:
