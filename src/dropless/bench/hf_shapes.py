@@ -19,7 +19,8 @@ Shapes (parameters counted with the vocabulary: embedding and untied head):
 - mixtral_8x7b: Mixtral-8x7B-v0.1's layers; 1.71B at 1 layer (1.41B of it the 8 experts).
 - deepseek_v3_small: DeepSeek-V3's routing and attention ranks at a reduced width (module table
   below); 0.30B at 2 layers (the dense first layer and one MoE layer), +0.21B per further MoE layer.
-The folder given must be new or empty: nothing is ever written into an existing model.
+The folder given must be new or empty: nothing is ever written into an existing model. What each
+costs to make: docs/loading.md "Checkpoints with published shapes".
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ The checks (a load must not need much more memory than what it keeps):
   (its bytes as stored, from the safetensors headers), where model bytes is the whole unsharded
   model's parameter and buffer bytes (built on the meta device).
 Host memory only: the bench runs on the CPU (train.device=cpu). Mapped pages of the safetensors
-files count in VmRSS while they are mapped, as they do for the trainer.
+files count in VmRSS while they are mapped, as they do for the trainer. Measured figures and limits:
+docs/loading.md "Measured: today's loader".
 """
 
 from __future__ import annotations
