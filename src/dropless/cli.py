@@ -36,6 +36,7 @@ BENCHMARKS = {
     "memory": "dropless.bench.memory",
     "a2a": "dropless.bench.a2a",
     "train": "dropless.bench.train_step",
+    "load": "dropless.bench.load",
 }
 
 
