@@ -20,7 +20,7 @@ COMMANDS = {
     "quantize": ("dropless.serve.quantize", "store a run's routed experts in 4 bits (mxfp4 | nvfp4)"),
     "evaluate": ("dropless.serve.evaluate_cli", "validation loss of a run (fewer experts: --serve-top-k)"),
     "plan": ("dropless.plan.cli", "predict per-rank training memory (and which knob makes it fit)"),
-    "import-hf": ("dropless.hf.import_hf", "a Hugging Face Qwen3-MoE / Mixtral / DeepSeek-V3 checkpoint as a run"),
+    "import-hf": ("dropless.hf.import_cli", "a Hugging Face Qwen3-MoE / Mixtral / DeepSeek-V3 checkpoint as a run"),
     "export-hf": ("dropless.hf.export_hf", "a run as a Hugging Face checkpoint (qwen3_moe | mixtral | deepseek_v3)"),
     "upcycle": ("dropless.hf.upcycle", "a dense Hugging Face Qwen3 / Llama checkpoint as an MoE run"),
     "check-matrix": ("dropless.check.matrix", "every pair of knob values through every command (CI's matrix)"),

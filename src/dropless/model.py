@@ -30,12 +30,14 @@ distributed.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .config import ModelConfig
 from .expert_slots import ExpertSlots
@@ -221,7 +223,9 @@ class MoEModel(nn.Module):
         # what activation offload moved (layers/offload.py): `offloader.counter`; None without offload
         self.offloader = offload.Offloader() if cfg.offload else None
         target = torch.get_default_device()
-        with torch.device("meta"):  # the modules' shapes; their values come from init_weights
+        # under a tensor mode (the planner's fake tensors) the modules are built in it, as drawn
+        traced = _get_current_dispatch_mode() is not None
+        with contextlib.nullcontext() if traced else torch.device("meta"):  # values: init_weights
             # (given its weight: nn.Embedding's own init would draw on meta, which imports torch._dynamo)
             self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, _weight=torch.empty(cfg.vocab_size, cfg.d_model))
             moe_ids = set(cfg.moe_layer_ids)  # model.n_dense_layers, model.moe_layer_freq (model_knobs.py)
@@ -238,7 +242,7 @@ class MoEModel(nn.Module):
         cos, sin = _rope_tables(cfg)
         self.register_buffer("rope_cos", cos.to(target), persistent=False)
         self.register_buffer("rope_sin", sin.to(target), persistent=False)
-        if target.type != "meta":
+        if target.type != "meta" and not traced:
             self.materialize(target)
             self.init_weights(int(torch.randint(0, 2**62, ()).item()) if seed is None else seed)
 

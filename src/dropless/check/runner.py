@@ -64,7 +64,7 @@ MODULES = {
     "train": "dropless.train.run", "generate": "dropless.serve.generate", "evaluate": "dropless.serve.evaluate_cli",
     "diagnose": "dropless.monitor.report", "record-routing": "dropless.serve.record_routing",
     "routing-mismatch": "dropless.serve.mismatch", "quantize": "dropless.serve.quantize",
-    "plan": "dropless.plan.cli", "export-hf": "dropless.hf.export_hf", "import-hf": "dropless.hf.import_hf",
+    "plan": "dropless.plan.cli", "export-hf": "dropless.hf.export_hf", "import-hf": "dropless.hf.import_cli",
     "bench generate": "dropless.bench.generate",
 }
 

@@ -1,6 +1,6 @@
 """`dropless import-hf DIR --out RUN_DIR`: a Hugging Face Qwen3-MoE, Mixtral or DeepSeek-V3 checkpoint as a dropless run.
 
-    dropless import-hf DIR --out RUN_DIR [--set a.b=value ...]
+    dropless import-hf DIR --out RUN_DIR [--nproc N] [--set a.b=value ...]
 
 DIR holds `config.json`, the weights (`model.safetensors`, or shards listed by
 `model.safetensors.index.json`) and the tokenizer (`tokenizer.json`, with its companion files). The
@@ -10,27 +10,25 @@ config.json via hf/mapping.py, where a key it omits takes transformers' default 
 the tokenizer files under `tokenizer/`; `dropless train --resume`, `generate`, `evaluate` and
 `diagnose` take it as any run.
 
-Streaming: the shards are read one tensor at a time through safetensors' memory map and copied
-straight into the model's (fp32) parameters, the experts into their region of the stacked
-[E, D, 2F] / [E, F, D] weights; nothing beyond one tensor is held besides the model itself. Every
-tensor is checked against the shape config.json implies; a missing, unexpected, misshapen or
-unreadable tensor, a missing shard or an inexpressible config field is a ValueError naming it, and
-nothing is written (the run is assembled in a hidden folder and renamed into place at the end).
-DeepSeek-V3: FP8 block-quantised weights are dequantised to fp32 as they are read (hf/fp8.py, the
-scales read from whichever shard holds them); the multi-token-prediction layers (index >=
-num_hidden_layers) are skipped with a warning that says so.
+Loading (hf/shard_load.py): the model is built on the meta device and allocated without initial
+weights; each tensor is read through safetensors' memory map and copied straight into its region of
+the model's (fp32) parameters, the experts into their rows of the stacked [E, D, 2F] / [E, F, D]
+weights; nothing beyond one tensor is held besides the model itself. `--nproc N` imports at world N
+(hf/import_cli.py): each process holds and reads only its own shards. Every tensor is checked
+against the shape config.json implies; a missing, unexpected, misshapen or unreadable tensor, a
+missing shard or an inexpressible config field is a ValueError naming it, and nothing is written
+(the run is assembled in a hidden folder and renamed into place at the end). DeepSeek-V3: FP8
+block-quantised weights are dequantised to fp32 as they are read (hf/fp8.py, the scales read from
+whichever shard holds them); the multi-token-prediction layers (index >= num_hidden_layers) are
+skipped with a warning that says so.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
-import sys
-import warnings
-from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -223,51 +221,3 @@ def write_run(hf_dir: str | Path, out: str | Path, overrides: list[str] | None =
     model, _, _ = build_model(cfg.model, torch.device("cpu"), 0, fill=WeightLoader(hf_dir, progress))
     save_run(model, cfg, hf_dir, out, {"family": family})
     return cfg
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="dropless import-hf",
-                                description="Import a Hugging Face Qwen3-MoE, Mixtral or DeepSeek-V3 checkpoint as a run.")
-    p.add_argument("hf_dir", metavar="DIR", help="folder with config.json, *.safetensors, tokenizer.json")
-    p.add_argument("--out", required=True, metavar="RUN_DIR", help="the run directory to write")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="a.b=value",
-                   help="override a field of the run's config (repeatable)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    p.add_argument("--nproc", type=int, default=0,
-                   help="processes (torchrun): each holds and reads only its shards (hf/import_world.py)")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = p.parse_args(argv)
-    from . import import_world
-
-    try:
-        if args.nproc < 0:
-            raise ValueError(f"--nproc {args.nproc}: must be >= 1")
-        if import_world.under_torchrun():
-            import_world.write_run_sharded(args.hf_dir, args.out, args.overrides, not args.no_progress)
-            return 0  # the launching process reports
-        elif args.nproc > 1:
-            hf_dir, out = Path(args.hf_dir), Path(args.out).absolute()
-            check_out(hf_dir, out, args.overrides)  # refused here, before N processes start
-            cfg = run_config(mapping.model_config(read_config(hf_dir))[0], out / "tokenizer" / "tokenizer.json",
-                             args.overrides)
-            if args.nproc % cfg.parallel.ep_size:
-                raise ValueError(f"parallel.ep_size={cfg.parallel.ep_size} does not divide --nproc {args.nproc}")
-            shard_files(hf_dir)
-            rest = [a for i, a in enumerate(argv) if not (a == "--nproc" or a.startswith("--nproc=") or
-                                                         (i > 0 and argv[i - 1] == "--nproc"))]
-            code = import_world.launch(args.nproc, rest)
-            if code:
-                return code
-        else:
-            cfg = write_run(args.hf_dir, args.out, args.overrides, progress=not args.no_progress)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"dropless import-hf: error: {err}", file=sys.stderr)
-        return 2
-    hf = read_config(args.hf_dir)
-    print(f"imported {hf['model_type']} from {args.hf_dir} into {args.out}")
-    print(describe_balancing(cfg.model, hf))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,5 @@
-"""`dropless import-hf DIR --out RUN_DIR --nproc N [--set parallel.ep_size=E]`: the import at world N.
+"""`dropless import-hf DIR --out RUN_DIR [--nproc N] [--set a.b=value ...]`: the command, in one
+process (hf/import_hf.py `write_run`) or at world N.
 
 Each of the N processes (relaunched under torchrun, gloo on the CPU) builds the model on the meta
 device, parallelises it as the trainer would (EP over E ranks, FSDP2 over the rest:
@@ -15,6 +16,7 @@ start.
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import subprocess
@@ -29,6 +31,7 @@ from ..config import save_config, to_dict
 from ..distributed.materialize import build_model
 from ..distributed.mesh import build_meshes, init_distributed
 from . import import_hf, mapping
+from .import_hf import check_out, describe_balancing, read_config, run_config, shard_files, write_run
 
 
 def under_torchrun() -> bool:
@@ -38,7 +41,7 @@ def under_torchrun() -> bool:
 def launch(nproc: int, argv: list[str]) -> int:
     """Re-run `dropless import-hf` with `argv` (without --nproc) under torchrun on `nproc` processes."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "dropless.hf.import_hf", *argv]
+           "-m", "dropless.hf.import_cli", *argv]
     print(f"launching: {' '.join(cmd)}", file=sys.stderr, flush=True)
     return subprocess.run(cmd, env=os.environ.copy()).returncode
 
@@ -88,3 +91,49 @@ def write_run_sharded(hf_dir: str | Path, out: str | Path, overrides: list[str],
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dropless import-hf",
+                                description="Import a Hugging Face Qwen3-MoE, Mixtral or DeepSeek-V3 checkpoint as a run.")
+    p.add_argument("hf_dir", metavar="DIR", help="folder with config.json, *.safetensors, tokenizer.json")
+    p.add_argument("--out", required=True, metavar="RUN_DIR", help="the run directory to write")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="a.b=value",
+                   help="override a field of the run's config (repeatable)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--nproc", type=int, default=0,
+                   help="processes (torchrun): each holds and reads only its shards (hf/py)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(argv)
+    try:
+        if args.nproc < 0:
+            raise ValueError(f"--nproc {args.nproc}: must be >= 1")
+        if under_torchrun():
+            write_run_sharded(args.hf_dir, args.out, args.overrides, not args.no_progress)
+            return 0  # the launching process reports
+        elif args.nproc > 1:
+            hf_dir, out = Path(args.hf_dir), Path(args.out).absolute()
+            check_out(hf_dir, out, args.overrides)  # refused here, before N processes start
+            cfg = run_config(mapping.model_config(read_config(hf_dir))[0], out / "tokenizer" / "tokenizer.json",
+                             args.overrides)
+            if args.nproc % cfg.parallel.ep_size:
+                raise ValueError(f"parallel.ep_size={cfg.parallel.ep_size} does not divide --nproc {args.nproc}")
+            shard_files(hf_dir)
+            rest = [a for i, a in enumerate(argv) if not (a == "--nproc" or a.startswith("--nproc=") or
+                                                         (i > 0 and argv[i - 1] == "--nproc"))]
+            code = launch(args.nproc, rest)
+            if code:
+                return code
+        else:
+            cfg = write_run(args.hf_dir, args.out, args.overrides, progress=not args.no_progress)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"dropless import-hf: error: {err}", file=sys.stderr)
+        return 2
+    hf = read_config(args.hf_dir)
+    print(f"imported {hf['model_type']} from {args.hf_dir} into {args.out}")
+    print(describe_balancing(cfg.model, hf))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
