@@ -18,7 +18,9 @@ unreadable tensor, a missing shard or an inexpressible config field is a ValueEr
 nothing is written (the run is assembled in a hidden folder and renamed into place at the end).
 DeepSeek-V3: FP8 block-quantised weights are dequantised to fp32 as they are read (hf/fp8.py, the
 scales read from whichever shard holds them); the multi-token-prediction layers (index >=
-num_hidden_layers) are skipped with a warning that says so.
+num_hidden_layers) become the model's MTP modules when the checkpoint holds them (the config reads
+the checkpoint's tensor names for that: `checkpoint_config`, hf/deepseek.py); their copies of the
+embedding and head (`Slot.copy`) are read again at the end and must equal the main tensors.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import argparse
 import json
 import shutil
 import sys
-import warnings
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -99,14 +100,14 @@ def _tensors(path: Path, only: str | None = None) -> Iterator[tuple[str, torch.T
 @torch.no_grad()
 def load_weights(model: MoEModel, hf_dir: str | Path, family: str, progress: bool = False) -> None:
     """Fill `model` (built from the same config.json) from the checkpoint's shards (module note)."""
-    n_layers, tied = len(model.blocks), model.head.weight is model.embed.weight
+    tied = model.head.weight is model.embed.weight
     table = {s.hf_name: s for s in mapping.slots(model, family)}
     alternates = {s.hf_name: s for s in mapping.fused_slots(model, family)}
     params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     filled: dict[str, int] = defaultdict(int)
     seen: set[str] = set()
     unexpected: list[str] = []
-    mtp: set[int] = set()
+    copies: list[tuple[str, Path, mapping.Slot]] = []
     block = fp8.block_size(read_config(hf_dir))
     files = shard_files(hf_dir)
     index = Path(hf_dir) / INDEX_FILE
@@ -116,13 +117,14 @@ def load_weights(model: MoEModel, hf_dir: str | Path, family: str, progress: boo
         for name, t in _tensors(path):
             slot = table.get(name) or alternates.get(name)
             if slot is None:
-                layer = _layer_index(name)
-                if family == "deepseek_v3" and layer is not None and layer >= n_layers:
-                    mtp.add(layer)  # a multi-token-prediction layer: not part of the model
-                elif name.endswith(fp8.SCALE_SUFFIX) and block is not None:
+                if name.endswith(fp8.SCALE_SUFFIX) and block is not None:
                     pass  # read with its weight
                 elif not (name == "lm_head.weight" and tied) and not name.endswith(IGNORED_SUFFIXES):
                     unexpected.append(name)
+                continue
+            if slot.copy:  # a second copy of a parameter another slot fills: compared at the end
+                copies.append((name, path, slot))
+                seen.add(name)
                 continue
             if t.dtype in fp8.FP8_DTYPES and block is not None:
                 t = fp8.dequantize(t, _scale_of(hf_dir, weight_map, name, path), block) if tuple(t.shape) == slot.shape else t
@@ -138,26 +140,37 @@ def load_weights(model: MoEModel, hf_dir: str | Path, family: str, progress: boo
             region.copy_(t.transpose(-1, -2) if slot.transpose else t)
             filled[slot.param] += t.numel()
             seen.add(name)
-    if mtp:
-        warnings.warn(f"{hf_dir}: skipped the multi-token-prediction layer(s) {sorted(mtp)} (layer index >= "
-                      f"num_hidden_layers={n_layers}): dropless neither trains nor exports MTP layers",
-                      stacklevel=2)
     if unexpected:
         raise ValueError(f"unexpected tensors (not part of a {family} model with this config.json): "
                          f"{', '.join(sorted(unexpected)[:8])}{' ...' if len(unexpected) > 8 else ''}")
     twice = [n for n, c in filled.items() if c > params[n].numel()]
     if twice:
         raise ValueError(f"the checkpoint holds some weights twice (per-expert and fused layouts?): {twice[:4]}")
-    missing = [s.hf_name for s in table.values() if s.hf_name not in seen and filled[s.param] < params[s.param].numel()]
+    missing = [s.hf_name for s in table.values()
+               if s.hf_name not in seen and (s.copy or filled[s.param] < params[s.param].numel())]
     if missing:
         raise ValueError(f"missing tensors: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    for name, path, slot in copies:
+        for _, t in _tensors(path, only=name):
+            if tuple(t.shape) != slot.shape or not torch.equal(t.to(params[slot.param].dtype), params[slot.param]):
+                raise ValueError(f"tensor {name} in {path.name}: not equal to {slot.param}'s tensor, which it "
+                                 "repeats (dropless shares one embedding and one head with the MTP layers)")
 
 
-def _layer_index(name: str) -> int | None:
-    parts = name.split(".")
-    if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
-        return int(parts[2])
-    return None
+def tensor_names(hf_dir: str | Path) -> list[str]:
+    """The checkpoint's tensor names: the index's, or the single file's header (every shard the
+    index names must exist)."""
+    files, index = shard_files(hf_dir), Path(hf_dir) / INDEX_FILE
+    if index.is_file():
+        return list(json.loads(index.read_text()).get("weight_map", {}))
+    with _safetensors()(str(files[0]), framework="pt") as f:
+        return list(f.keys())
+
+
+def checkpoint_config(hf_dir: str | Path) -> tuple[ModelConfig, str]:
+    """mapping.model_config of the folder's config.json and tensor names (DeepSeek-V3's MTP layers
+    are the model's when the checkpoint holds them)."""
+    return mapping.model_config(read_config(hf_dir), tensor_names(hf_dir))
 
 
 def _scale_of(hf_dir: str | Path, weight_map: dict[str, str], name: str, path: Path) -> torch.Tensor:
@@ -183,8 +196,7 @@ def _progress(items: list[Path], enabled: bool) -> Any:
 
 def load_model(hf_dir: str | Path, progress: bool = False) -> tuple[MoEModel, str]:
     """The dropless model of an HF checkpoint folder (fp32, CPU, eval mode) and its family."""
-    cfg, family = mapping.model_config(read_config(hf_dir))
-    shard_files(hf_dir)  # a missing weight file fails before the model is allocated
+    cfg, family = checkpoint_config(hf_dir)  # (a missing weight file fails before the model is allocated)
     model = MoEModel(cfg)
     load_weights(model, hf_dir, family, progress)
     return model.eval(), family
@@ -207,8 +219,7 @@ def init_config(hf_dir: str | Path, base: RunConfig, overrides: list[str]) -> Ru
     """`dropless train --init-from hf:DIR`: the run config (`base` = the preset, with the checkpoint's
     model and its tokenizer.json in place), checked before any weight is read."""
     hf_dir = Path(hf_dir)
-    model_cfg, _ = mapping.model_config(read_config(hf_dir))
-    shard_files(hf_dir)
+    model_cfg, _ = checkpoint_config(hf_dir)
     if not (hf_dir / "tokenizer.json").is_file():
         raise ValueError(f"--init-from hf:{hf_dir}: no tokenizer.json (the run trains with the checkpoint's "
                          "own tokenizer)")
@@ -295,9 +306,8 @@ def write_run(hf_dir: str | Path, out: str | Path, overrides: list[str] | None =
     """Import `hf_dir` as the run directory `out` (module note); returns its config."""
     hf_dir, out = Path(hf_dir), Path(out).absolute()
     check_out(hf_dir, out, overrides or [])
-    model_cfg, family = mapping.model_config(read_config(hf_dir))
+    model_cfg, family = checkpoint_config(hf_dir)
     cfg = run_config(model_cfg, out / "tokenizer" / "tokenizer.json", overrides or [])  # fails before loading
-    shard_files(hf_dir)
     model = MoEModel(cfg.model)  # (only balancing/compute fields of model. may differ from model_cfg)
     load_weights(model, hf_dir, family, progress)
     save_run(model, cfg, hf_dir, out, {"family": family})
