@@ -37,6 +37,13 @@ def moe_layer_ids(n_layers: int, n_dense_layers: int, freq: int | list[int]) -> 
     return tuple(freq)
 
 
+def moe_layout(n_layers: int, moe: list[int]) -> tuple[int, int | list[int]]:
+    """The inverse of moe_layer_ids: the MoE layers `moe` (increasing) as (n_dense_layers,
+    moe_layer_freq): the dense prefix, then 1 when every later layer is MoE, else the list."""
+    prefix = moe[0] if moe else n_layers
+    return prefix, (1 if list(moe) == list(range(prefix, n_layers)) else list(moe))
+
+
 def _int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

@@ -82,6 +82,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..config import ModelConfig
+from ..model_knobs import moe_layout
 from ..moe_config import BalanceConfig, MoEConfig, RouterConfig
 from . import rope
 from .defaults import Fields, refuse
@@ -108,8 +109,6 @@ def mtp_depth(f: Fields, names: Iterable[str] | None) -> int:
 def model_config(f: Fields, names: Iterable[str] | None = None) -> ModelConfig:
     """The dropless config of a DeepSeek-V3 config.json (read through `f`: transformers' defaults);
     `names`: the checkpoint's tensor names, for its MTP layers (module note)."""
-    from .mapping import moe_layout
-
     n_layers, H = f("num_hidden_layers"), f("num_attention_heads")
     kv = f("num_key_value_heads")
     if kv is not None and kv != H:

@@ -61,6 +61,7 @@ import torch
 from ..config import ModelConfig
 from ..configtree import _fail
 from ..model import MoEModel
+from ..model_knobs import moe_layout
 from ..moe_config import BalanceConfig, MoEConfig, RouterConfig
 from . import deepseek, rope
 from .defaults import Fields, refuse
@@ -81,13 +82,6 @@ class Slot:
     # MTP layers repeat the embedding and the head): import checks it equals that parameter and
     # stores nothing; export writes the parameter again
     copy: bool = False
-
-
-def moe_layout(n_layers: int, moe: list[int]) -> tuple[int, int | list[int]]:
-    """The MoE layers `moe` as dropless's (n_dense_layers, moe_layer_freq): the dense prefix, then
-    1 when every later layer is MoE, else the list of MoE layers (model_knobs.py)."""
-    prefix = moe[0] if moe else n_layers
-    return prefix, (1 if moe == list(range(prefix, n_layers)) else list(moe))
 
 
 def _qwen3_layers(n_layers: int, num_experts: int, mlp_only: list[int], step: int) -> list[int]:
