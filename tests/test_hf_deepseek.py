@@ -242,29 +242,11 @@ def test_fp8_dequantize_rejects_a_scale_grid_that_does_not_fit() -> None:
         fp8.dequantize(q, torch.ones(2, 2), (8, 8))
 
 
-def test_mtp_layers_are_skipped_with_a_warning(tmp_path: Path) -> None:
-    """A checkpoint with a multi-token-prediction layer (index num_hidden_layers, as DeepSeek-V3's
-    layer 61) imports the same model, with a warning naming the skipped layer."""
-    from safetensors.torch import save_file
-
-    save_hf(deepseek_config(), tmp_path, tokenizer=False)
-    a, _ = import_hf.load_model(tmp_path)
-    index = json.loads((tmp_path / import_hf.INDEX_FILE).read_text())
-    mtp = {"model.layers.3.eh_proj.weight": torch.ones(32, 64), "model.layers.3.enorm.weight": torch.ones(32)}
-    save_file(mtp, str(tmp_path / "mtp.safetensors"), metadata={"format": "pt"})
-    index["weight_map"].update({k: "mtp.safetensors" for k in mtp})
-    (tmp_path / import_hf.INDEX_FILE).write_text(json.dumps(index))
-    with pytest.warns(UserWarning, match=r"skipped the multi-token-prediction layer\(s\) \[3\]"):
-        b, _ = import_hf.load_model(tmp_path)
-    for (n, p), (m, q) in zip(a.state_dict().items(), b.state_dict().items()):
-        assert n == m and torch.equal(p, q), n
-
-
 @pytest.mark.parametrize("field,value", [
     ("rope_parameters", {"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}),
     ("rope_parameters.attention_factor", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
                                           "original_max_position_embeddings": 16, "attention_factor": 0.5}),
-    ("moe_layer_freq", 2),
+    ("moe_layer_freq", 0),
     ("num_key_value_heads", 2),
     ("n_shared_experts", 0),
     ("scoring_func", "softmax"),
@@ -412,5 +394,8 @@ def test_deepseek_v3_full_size_config_translates() -> None:
           "topk_group": 4, "topk_method": "noaux_tc", "vocab_size": 129280, "attention_bias": False}
     cfg, _ = mapping.model_config(hf)
     assert (cfg.head_width, cfg.rope_head_dim, cfg.value_width, cfg.n_dense_layers) == (192, 64, 128, 3)
+    assert cfg.mtp_depth == 0  # no tensor names: the config alone does not say the layer is there
+    with_mtp, _ = mapping.model_config(hf, ["model.layers.60.mlp.gate.weight", "model.layers.61.eh_proj.weight"])
+    assert (with_mtp.mtp_depth, with_mtp.mtp_block) == (1, "moe")
     assert (cfg.rope_yarn.factor, cfg.rope_yarn.original_max_seq_len, cfg.moe.shared_width) == (40.0, 4096, 2048)
     assert fp8.block_size(hf) == (128, 128)

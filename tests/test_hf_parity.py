@@ -225,7 +225,6 @@ def test_qwen3_export_needs_qk_norm() -> None:
     ("use_sliding_window", True),
     ("hidden_act", "gelu"),
     ("model_type", "llama"),
-    ("mlp_only_layers", [1]),
 ])
 def test_import_refuses_inexpressible_configs(field: str, value: object) -> None:
     hf = qwen3_config().to_dict()

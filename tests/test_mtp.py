@@ -1,13 +1,16 @@
-"""Multi-token prediction, `model.mtp_depth` / `model.mtp_weight` (layers/mtp.py): the model's loss
-and every gradient against a plain reference that indexes the full token sequence directly (module k
-at position t reads token t+k and predicts token t+k+1); training only (evaluation and generation
-never run the modules); the trainer logs the MTP loss apart from ce_loss.
+"""Multi-token prediction, `model.mtp_depth` / `model.mtp_weight` / `model.mtp_block` (layers/mtp.py):
+the model's loss and every gradient against a plain reference that indexes the full token sequence
+directly (module k at position t reads token t+k and predicts token t+k+1; the projection reads
+[embedding; hidden], DeepSeek-V3's order), with dense and MoE blocks; training only (evaluation and
+generation never run the modules); the trainer logs the MTP loss apart from ce_loss and moves the
+MTP MoE blocks' expert bias with the main layers'.
 
 Bit-exactness (torch.equal) is claimed because the reference runs the same modules on the same
 inputs at the same shapes (docs/numerics.md), on the CPU in fp32."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -42,31 +45,43 @@ def reference_loss(model: MoEModel, full_BS1: torch.Tensor) -> tuple[torch.Tenso
         if out.moe is not None:
             moe.append(out.moe)
     ce = F.cross_entropy(model.head(model.norm(x)).float().reshape(B * S, -1), tgt.reshape(-1))
-    h, losses = x, []
+    h, losses, mtp_moe = x, [], []
     for k, m in enumerate(model.mtp, start=1):
         n = S - k
         e = model.embed(full_BS1[:, k:k + n])  # token t+k at position t
-        z = m.proj(torch.cat([m.hidden_norm(h[:, :n]), m.embed_norm(e)], dim=-1))
-        h = m.block(z, cos[:n], sin[:n]).x
+        z = m.proj(torch.cat([m.embed_norm(e), m.hidden_norm(h[:, :n])], dim=-1))
+        out = m.block(z, cos[:n], sin[:n])
+        h = out.x
+        if out.moe is not None:
+            mtp_moe.append(out.moe)
         logits = model.head(m.out_norm(h)).float()
         losses.append(F.cross_entropy(logits.reshape(B * n, -1), full_BS1[:, k + 1:k + 1 + n].reshape(-1)))
     mtp = sum(losses[1:], losses[0]) / len(losses)
-    return ce + model.balancing_loss(moe) + cfg.mtp_weight * mtp, mtp
+    loss = ce + model.balancing_loss(moe) + cfg.mtp_weight * mtp
+    return (loss + model.balancing_loss(mtp_moe) if mtp_moe else loss), mtp
 
 
+@pytest.mark.parametrize("block", ["dense", "moe"])
 @pytest.mark.parametrize("depth", [1, 3])
 @pytest.mark.parametrize("recompute", [[], ["layer"], ["attn", "norm"]], ids=lambda r: "+".join(r) or "none")
-def test_mtp_against_reference(depth: int, recompute: list[str]) -> None:
-    cfg = model_cfg(f"model.mtp_depth={depth}", "model.mtp_weight=0.5")
+def test_mtp_against_reference(depth: int, recompute: list[str], block: str) -> None:
+    """With MoE blocks the sequence aux loss is on too, so each balancing loss of the MTP blocks is
+    in the total (with the main layers' coefficients, not times mtp_weight)."""
+    cfg = model_cfg(f"model.mtp_depth={depth}", "model.mtp_weight=0.5", f"model.mtp_block={block}",
+                    "model.moe.balance.seq_aux_loss_coeff=0.01")
     torch.manual_seed(0)
     model = MoEModel(replace(cfg, recompute=recompute))
-    assert len(model.mtp) == depth
+    assert len(model.mtp) == depth and len(model.mtp_moe_layers()) == (depth if block == "moe" else 0)
+    assert len(model.moe_layers()) == cfg.n_moe_layers  # the main model's alone
     full = sequence()
     out = model(full[:, :S], full[:, 1:])
     got = grads(model, out.loss)
     want_loss, want_mtp = reference_loss(model, full)
     assert torch.equal(out.mtp_loss, want_mtp)
     assert torch.equal(out.loss, want_loss)
+    assert len(out.moe) == cfg.n_moe_layers and len(out.mtp_moe) == len(model.mtp_moe_layers())
+    if block == "moe":
+        assert all(m.seq_aux_loss is not None and m.seq_aux_loss > 0 for m in out.mtp_moe)
     want = grads(model, want_loss)
     assert got.keys() == want.keys()
     for n in got:
@@ -93,6 +108,32 @@ def test_mtp_validation() -> None:
         ModelConfig(mtp_depth=8, max_seq_len=8)
     with pytest.raises(ValueError, match=r"model\.mtp_weight=-0.1"):
         ModelConfig(mtp_weight=-0.1)
+    with pytest.raises(ValueError, match=r"model\.mtp_block='sparse'"):
+        ModelConfig(mtp_block="sparse")
+    # the global-batch aux loss's pre-pass never runs the MTP modules: refused with MoE blocks
+    with pytest.raises(ValueError, match=r"model\.mtp_block='moe'.*global_aux_loss_coeff=0.01"):
+        model_cfg("model.mtp_depth=1", "model.mtp_block=moe", "model.moe.balance.global_aux_loss_coeff=0.01")
+    model_cfg("model.mtp_depth=1", "model.moe.balance.global_aux_loss_coeff=0.01")  # dense blocks: fine
+
+
+def test_trainer_moves_the_mtp_moe_expert_bias(tmp_path: Path) -> None:
+    """Loss-free balancing with MoE MTP blocks: the trainer's bias rule moves the MTP routers' bias
+    as it moves the main ones' (from their own counts), the routing record keeps the main layers
+    only, and the bias is in the checkpoint."""
+    from dropless.runs.load import load_model
+
+    cfg = tiny("model.mtp_depth=1", "model.mtp_block=moe", "model.moe.router.use_expert_bias=true",
+               "model.moe.balance.bias_update_rate=0.01", "train.steps=2", "train.eval_every=2",
+               "train.ckpt_every=2")
+    trainer = Trainer(cfg, tmp_path)
+    assert len(trainer.model.mtp_moe_layers()) == 1
+    trainer.fit()
+    model, _ = load_model(tmp_path)
+    bias = model.mtp_moe_layers()[0].router.expert_bias
+    assert bias.abs().max() > 0 and all(layer.router.expert_bias.abs().max() > 0 for layer in model.moe_layers())
+    routing = [json.loads(line) for line in (tmp_path / "routing.jsonl").read_text().splitlines()]
+    per_layer = [v for r in routing for v in r.values() if isinstance(v, list)]
+    assert routing and per_layer and all(len(v) == cfg.model.n_moe_layers for v in per_layer)
 
 
 def test_trainer_logs_mtp_apart_and_evaluates_the_main_loss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

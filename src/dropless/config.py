@@ -87,6 +87,8 @@ class ModelConfig:
     block: str = "sequential"  # or "parallel_moe": MoE blocks read x, not x + attn (model_knobs.py)
     mtp_depth: int = 0  # multi-token prediction modules (layers/mtp.py); 0 = off
     mtp_weight: float = 0.3  # the MTP loss's weight (lambda; the mean over the D modules' losses)
+    # each MTP module's block: "dense" (the dense MLP) or "moe" (an MoE block, DeepSeek-V3's layout)
+    mtp_block: str = "dense"
     d_ff_dense: int = 512  # hidden width of the dense MLP layers
     tie_embeddings: bool = True
     rope_theta: float = 10000.0

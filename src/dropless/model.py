@@ -9,7 +9,8 @@ L keys attended (cached + new).
     parallel MoE block (model.block = "parallel_moe"): x + attn(norm(x)) + moe(norm'(x))
     ffn = dense SwiGLU MLP for the first `n_dense_layers` blocks, the MoE layer after them (every
           `moe_layer_freq`-th one, or the listed ones: model_knobs.py)
-    training with `mtp_depth` > 0 adds the multi-token prediction modules' loss (layers/mtp.py)
+    training with `mtp_depth` > 0 adds the multi-token prediction modules' loss (layers/mtp.py;
+    their blocks dense, or MoE with `mtp_block = "moe"`)
 
 Attention is causal self-attention with rotary positions through `scaled_dot_product_attention`;
 grouped-query heads, q/k RMSNorm and biases are config switches (the Qwen3-MoE and Mixtral layouts,
@@ -31,7 +32,7 @@ distributed.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
 import torch
@@ -202,10 +203,18 @@ class ModelOutput:
     # multi-token prediction (layers/mtp.py): mean over the modules of their cross-entropy, without
     # model.mtp_weight (`loss` includes it times the weight); None unless training with mtp_depth > 0
     mtp_loss: torch.Tensor | None = None
+    # model.mtp_block "moe": each MTP module's MoE output (training only); `moe_loss` and `loss`
+    # include their balancing losses, `moe` and `stats` stay the main model's layers
+    mtp_moe: list[MoEOutput] = field(default_factory=list)
 
     @property
     def stats(self) -> list[MoEStats]:
         return [m.stats for m in self.moe]
+
+    @property
+    def all_stats(self) -> list[MoEStats]:
+        """The main MoE layers' statistics, then the MTP modules' (MoEModel.all_moe_layers order)."""
+        return [m.stats for m in [*self.moe, *self.mtp_moe]]
 
 
 def _rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,9 +242,10 @@ class MoEModel(nn.Module):
                                         for i in range(cfg.n_layers))
             self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
             self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-            # multi-token prediction (layers/mtp.py): dense blocks, the embedding and head shared
+            # multi-token prediction (layers/mtp.py): dense or MoE blocks (model.mtp_block), the
+            # embedding and head shared
             self.mtp = nn.ModuleList(
-                MTPModule(cfg.d_model, Block(cfg, moe=False, offloader=self.offloader),
+                MTPModule(cfg.d_model, Block(cfg, moe=cfg.mtp_block == "moe", offloader=self.offloader),
                           lambda: RMSNorm(cfg.d_model, cfg.norm_eps)) for _ in range(cfg.mtp_depth))
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
@@ -277,7 +287,18 @@ class MoEModel(nn.Module):
         return self
 
     def moe_layers(self) -> list[MoELayer]:
+        """The main model's MoE layers (the trainer's per-layer statistics, routing replay and
+        records, serving); the MTP modules' MoE blocks are `mtp_moe_layers()`."""
         return [b.ffn for b in self.blocks if b.is_moe]
+
+    def mtp_moe_layers(self) -> list[MoELayer]:
+        """The MoE layers of the MTP modules' blocks (model.mtp_block "moe"; else none)."""
+        return [m.block.ffn for m in self.mtp if m.block.is_moe]
+
+    def all_moe_layers(self) -> list[MoELayer]:
+        """Every MoE layer a training step runs: the main ones, then the MTP modules' (what the
+        balancing rules, the EP buffers and the overflow guard cover)."""
+        return [*self.moe_layers(), *self.mtp_moe_layers()]
 
     def expert_slots(self) -> ExpertSlots:
         """The MoE layers' expert slots (expert_slots.py; every layer has the same). A model without
@@ -324,15 +345,19 @@ class MoEModel(nn.Module):
         logits = self.head(self.norm(x))
         moe_loss = self.balancing_loss(moe)
         ce = loss = mtp = None
+        mtp_moe: list[MoEOutput] = []
         if targets_BS is not None:
             ce = F.cross_entropy(logits.float().view(B * S, -1), targets_BS.reshape(-1))
             loss = ce + moe_loss
             # training only: evaluation reports the main loss alone, generation never runs MTP
             plain = cache is None and positions_BS is None and valid_BS is None  # the training call
             if len(self.mtp) and self.training and plain:
-                mtp = mtp_loss(self.mtp, x, targets_BS, self.embed, self.head, cos, sin)
+                mtp, mtp_moe = mtp_loss(self.mtp, x, targets_BS, self.embed, self.head, cos, sin)
                 loss = loss + self.cfg.mtp_weight * mtp
-        return ModelOutput(logits, loss, ce, moe_loss, moe, mtp)
+                if mtp_moe:  # MoE blocks: their balancing losses, the main layers' coefficients
+                    extra = self.balancing_loss(mtp_moe)
+                    loss, moe_loss = loss + extra, moe_loss + extra
+        return ModelOutput(logits, loss, ce, moe_loss, moe, mtp, mtp_moe)
 
     def balancing_loss(self, moe: list[MoEOutput]) -> torch.Tensor:
         """Sum over MoE layers of the coefficient-weighted micro-batch and sequence aux losses and the
@@ -346,10 +371,11 @@ class MoEModel(nn.Module):
         return total
 
     def num_params(self) -> dict[str, int]:
-        """Total and active (per token) parameter counts; embeddings counted once when tied."""
+        """Total and active (per token) parameter counts; embeddings counted once when tied; the MTP
+        modules (training only) are in both."""
         total = sum(p.numel() for p in self.parameters())
         active = total
-        for layer in self.moe_layers():
+        for layer in self.all_moe_layers():
             E, K = layer.slots.routed, layer.cfg.top_k
             expert = layer.experts.w_gate_up_EDF.numel() + layer.experts.w_down_EFD.numel()
             active -= expert * (E - K) // E

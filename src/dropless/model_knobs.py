@@ -12,7 +12,12 @@ Kept out of config.py (which lists the fields) because each knob has a rule wort
 - `model.block`: "sequential" is x + attn(norm(x)) then + ffn(norm(x)); "parallel_moe" (ScMoE's
   shortcut) feeds an MoE block's expert layer its own norm of the block's input x, so the MoE does not
   wait for attention (model.py Block, docs/model_knobs.md). Dense blocks stay sequential.
-- `model.mtp_depth` / `model.mtp_weight`: multi-token prediction (layers/mtp.py).
+- `model.mtp_depth` / `model.mtp_weight` / `model.mtp_block`: multi-token prediction (layers/mtp.py);
+  `mtp_block` "dense" gives each module a dense block, "moe" an MoE block (DeepSeek-V3's), whose
+  balancing losses join the model's and whose router buffers the trainer's rules move with the main
+  layers' (train/health.py). The global-batch aux loss counts the whole step's tokens in a no-grad
+  pre-pass that never runs the MTP modules, so it is refused with an MoE block rather than applied
+  to the main layers alone.
 - `model.moe.latent_dim` must not exceed d_model (the MoE part checks l >= 0 itself).
 """
 
@@ -23,12 +28,20 @@ from typing import Any
 from .configtree import _choice, _fail
 
 BLOCKS = ("sequential", "parallel_moe")
+MTP_BLOCKS = ("dense", "moe")
 
 
 def moe_layer_ids(n_layers: int, n_dense_layers: int, freq: int | list[int]) -> tuple[int, ...]:
     if isinstance(freq, int):
         return tuple(range(n_dense_layers, n_layers, freq))
     return tuple(freq)
+
+
+def moe_layout(n_layers: int, moe: list[int]) -> tuple[int, int | list[int]]:
+    """The inverse of moe_layer_ids: the MoE layers `moe` (increasing) as (n_dense_layers,
+    moe_layer_freq): the dense prefix, then 1 when every later layer is MoE, else the list."""
+    prefix = moe[0] if moe else n_layers
+    return prefix, (1 if list(moe) == list(range(prefix, n_layers)) else list(moe))
 
 
 def _int(value: Any) -> bool:
@@ -62,6 +75,12 @@ def check_model_knobs(cfg: Any) -> None:
     if isinstance(cfg.mtp_weight, bool) or not isinstance(cfg.mtp_weight, (int, float)) \
             or not cfg.mtp_weight >= 0:
         _fail("model.mtp_weight", cfg.mtp_weight, "must be a number >= 0")
+    _choice("model.mtp_block", cfg.mtp_block, MTP_BLOCKS)
+    if cfg.mtp_block == "moe" and cfg.mtp_depth and cfg.moe.balance.global_aux_loss_coeff > 0:
+        _fail("model.mtp_block", cfg.mtp_block, "the global-batch aux loss "
+              f"(model.moe.balance.global_aux_loss_coeff={cfg.moe.balance.global_aux_loss_coeff}) counts "
+              "the step's tokens without running the MTP modules: use mtp_block=\"dense\" or the "
+              "micro-batch / sequence aux loss")
     if cfg.moe.latent_dim > cfg.d_model:
         _fail("model.moe.latent_dim", cfg.moe.latent_dim, f"must be <= d_model={cfg.d_model} "
               "(the experts run in the projected-down width)")

@@ -79,7 +79,8 @@ FACTORS: list[tuple[str, dict[str, list[str]]]] = [
     ("layers", {"all-moe": [], "dense-prefix1": ["model.n_dense_layers=1"], "freq2": ["model.moe_layer_freq=2"],
                 "list[1]": ["model.moe_layer_freq=[1]"]}),
     ("block", {"sequential": [], "parallel_moe": ["model.block=parallel_moe"]}),
-    ("mtp", {"-": [], "mtp1": ["model.mtp_depth=1"], "mtp2": ["model.mtp_depth=2", "model.mtp_weight=0.5"]}),
+    ("mtp", {"-": [], "mtp1": ["model.mtp_depth=1"], "mtp2": ["model.mtp_depth=2", "model.mtp_weight=0.5"],
+             "mtp1-moe": ["model.mtp_depth=1", "model.mtp_block=moe"]}),
     ("tied", {"tied": [], "untied": ["model.tie_embeddings=false"]}),
     ("recompute", {"-": [], "layer": ['model.recompute=["layer"]'], "moe": ['model.recompute=["moe"]'],
                    "attn+norm": ['model.recompute=["attn","norm"]'], "moe_act": ['model.recompute=["moe_act"]']}),
@@ -109,7 +110,8 @@ FAMILY_ROWS = {
     "qwen3_moe": {"attention": "head_dim24+qk_norm", "layers": "dense-prefix1", "top_k": "k1", "mtp": "mtp1",
                   "recompute": "attn+norm", "dtype": "bf16"},
     "deepseek_v3": {"attention": "mla", "score": "sigmoid", "balance": "bias-adaptive-warm", "shared": "shared1",
-                    "groups": "groups2/1", "weights": "scale2.5", "layers": "dense-prefix1", "grad_accum": "accum2"},
+                    "groups": "groups2/1", "weights": "scale2.5", "layers": "dense-prefix1", "grad_accum": "accum2",
+                    "mtp": "mtp1-moe"},
 }
 
 # Pairs the generator puts in as few rows as it can (once each): a real inductor compile costs about

@@ -130,7 +130,7 @@ def finish_grads_(model: MoEModel, expert_names: list[str], ep: int, max_norm: f
 
 @contextlib.contextmanager
 def _dispatchers_replaced(model: MoEModel, replace: Callable[[EPDispatcher], EPDispatcher]) -> Iterator[None]:
-    saved = [(layer, layer.dispatcher) for layer in model.moe_layers()]
+    saved = [(layer, layer.dispatcher) for layer in model.all_moe_layers()]  # MTP's MoE blocks too
     for layer, d in saved:
         if isinstance(d, EPDispatcher):
             layer.dispatcher = replace(d)

@@ -46,7 +46,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                     "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4,
                     "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True,
                     "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-                    "rope_interleave": True, "attention_bias": False},
+                    "rope_interleave": True, "attention_bias": False, "num_nextn_predict_layers": 1},
     # the dense families `dropless upcycle` reads
     "qwen3": {**_COMMON, "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
               "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128,

@@ -14,11 +14,13 @@ The names and layouts are hf/mapping.py's table read backwards: the per-expert l
 routing, an expert bias, shared experts, ...) is a ValueError naming the field, before anything is
 written; the folder is assembled hidden and renamed into place at the end.
 
-Multi-token prediction modules (`model.mtp_depth` > 0, layers/mtp.py) are left out, with a note on
-stderr: they only add a training loss, evaluation and generation never run them, so the exported
-model computes the same logits without them (as DeepSeek-V3's own inference drops its MTP layer).
-None of the three families has a place for dropless's dense MTP block; DeepSeek-V3's
-`num_nextn_predict_layers` describes an MoE one, and the export writes 0 there.
+Multi-token prediction modules (`model.mtp_depth` > 0, layers/mtp.py): with MoE blocks
+(`model.mtp_block = "moe"`) a deepseek_v3 export writes them as DeepSeek-V3's MTP layers after the
+main ones, with `num_nextn_predict_layers` (hf/deepseek.py; transformers ignores them on load).
+Otherwise they are left out, with a note on stderr: they only add a training loss, evaluation and
+generation never run them, so the exported model computes the same logits without them (as
+DeepSeek-V3's own inference drops its MTP layer). No family has a place for a dense MTP block, and
+DeepSeek-V3's export writes num_nextn_predict_layers 0 then.
 
 Streaming, from the checkpoint itself: the model is never built. Its structure and shapes come from the
 model on the meta device (`mapping.meta_model`, `mapping.slots`); the checkpoint's metadata says each
@@ -160,7 +162,7 @@ def export(run_dir: str | Path, out: str | Path, family: str, dtype: str = "fp32
     table = mapping.slots(model, family)
     tensors = open_tensors(path)
     check(tensors, expected_specs(model, table), str(path))
-    if cfg.model.mtp_depth:
+    if cfg.model.mtp_depth and not (family == "deepseek_v3" and model.mtp_moe_layers()):
         n = sum(p.numel() for p in model.mtp.parameters())
         print(f"dropless export-hf: model.mtp_depth={cfg.model.mtp_depth}: the multi-token prediction "
               f"modules ({n:,} parameters) are training-only and left out; the export is the main model",

@@ -55,7 +55,7 @@ def write_run_sharded(hf_dir: str | Path, out: str | Path, overrides: list[str],
     hf_dir, out = Path(hf_dir), Path(out).absolute()
     init_distributed(torch.device("cpu"))
     rank = dist.get_rank()
-    model_cfg, family = mapping.model_config(import_hf.read_config(hf_dir))
+    model_cfg, family = import_hf.checkpoint_config(hf_dir)
     cfg = import_hf.run_config(model_cfg, out / "tokenizer" / "tokenizer.json", overrides)
     tmp = out.with_name(f".{out.name}.import-world")  # hidden, and the same name on every rank
     failed = torch.zeros(1)
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.nproc > 1:
             hf_dir, out = Path(args.hf_dir), Path(args.out).absolute()
             check_out(hf_dir, out, args.overrides)  # refused here, before N processes start
-            cfg = run_config(mapping.model_config(read_config(hf_dir))[0], out / "tokenizer" / "tokenizer.json",
+            cfg = run_config(import_hf.checkpoint_config(hf_dir)[0], out / "tokenizer" / "tokenizer.json",
                              args.overrides)
             if args.nproc % cfg.parallel.ep_size:
                 raise ValueError(f"parallel.ep_size={cfg.parallel.ep_size} does not divide --nproc {args.nproc}")

@@ -19,8 +19,10 @@ against the shape config.json implies; a missing, unexpected, misshapen or unrea
 missing shard or an inexpressible config field is a ValueError naming it, and nothing is written
 (the run is assembled in a hidden folder and renamed into place at the end). DeepSeek-V3: FP8
 block-quantised weights are dequantised to fp32 as they are read (hf/fp8.py, the scales read from
-whichever shard holds them); the multi-token-prediction layers (index >= num_hidden_layers) are
-skipped with a warning that says so.
+whichever shard holds them); the multi-token-prediction layers (index >= num_hidden_layers) become
+the model's MTP modules when the checkpoint holds them (the config reads the checkpoint's tensor
+names for that: `checkpoint_config`, hf/deepseek.py); their copies of the embedding and head
+(`Slot.copy`) must equal the main tensors.
 """
 
 from __future__ import annotations
@@ -84,6 +86,22 @@ def load_weights(model: MoEModel, hf_dir: str | Path, family: str, progress: boo
                                  where, progress)
 
 
+def tensor_names(hf_dir: str | Path) -> list[str]:
+    """The checkpoint's tensor names: the index's, or the single file's header (every shard the
+    index names must exist)."""
+    files, index = shard_files(hf_dir), Path(hf_dir) / INDEX_FILE
+    if index.is_file():
+        return list(json.loads(index.read_text()).get("weight_map", {}))
+    with _safetensors()(str(files[0]), framework="pt") as f:
+        return list(f.keys())
+
+
+def checkpoint_config(hf_dir: str | Path) -> tuple[ModelConfig, str]:
+    """mapping.model_config of the folder's config.json and tensor names (DeepSeek-V3's MTP layers
+    are the model's when the checkpoint holds them)."""
+    return mapping.model_config(read_config(hf_dir), tensor_names(hf_dir))
+
+
 class WeightLoader:
     """What the trainer calls on its freshly materialised (possibly sharded) model to fill it from
     the checkpoint; `bytes_read` then says how much this process read."""
@@ -104,8 +122,7 @@ class WeightLoader:
 def load_model(hf_dir: str | Path, progress: bool = False) -> tuple[MoEModel, str]:
     """The dropless model of an HF checkpoint folder (fp32, CPU, eval mode) and its family: built on
     the meta device and filled straight from the files (no initial weights drawn)."""
-    cfg, family = mapping.model_config(read_config(hf_dir))
-    shard_files(hf_dir)  # a missing weight file fails before the model is allocated
+    cfg, family = checkpoint_config(hf_dir)  # (a missing weight file fails before the model is allocated)
     model, _, _ = build_model(cfg, torch.device("cpu"), 0, fill=WeightLoader(hf_dir, progress))
     return model.eval(), family
 
@@ -127,8 +144,7 @@ def init_config(hf_dir: str | Path, base: RunConfig, overrides: list[str]) -> Ru
     """`dropless train --init-from hf:DIR`: the run config (`base` = the preset, with the checkpoint's
     model and its tokenizer.json in place), checked before any weight is read."""
     hf_dir = Path(hf_dir)
-    model_cfg, _ = mapping.model_config(read_config(hf_dir))
-    shard_files(hf_dir)
+    model_cfg, _ = checkpoint_config(hf_dir)
     if not (hf_dir / "tokenizer.json").is_file():
         raise ValueError(f"--init-from hf:{hf_dir}: no tokenizer.json (the run trains with the checkpoint's "
                          "own tokenizer)")
@@ -214,9 +230,8 @@ def write_run(hf_dir: str | Path, out: str | Path, overrides: list[str] | None =
     """Import `hf_dir` as the run directory `out` (module note); returns its config."""
     hf_dir, out = Path(hf_dir), Path(out).absolute()
     check_out(hf_dir, out, overrides or [])
-    model_cfg, family = mapping.model_config(read_config(hf_dir))
+    model_cfg, family = checkpoint_config(hf_dir)
     cfg = run_config(model_cfg, out / "tokenizer" / "tokenizer.json", overrides or [])  # fails before loading
-    shard_files(hf_dir)
     # (only balancing/compute fields of model. may differ from model_cfg)
     model, _, _ = build_model(cfg.model, torch.device("cpu"), 0, fill=WeightLoader(hf_dir, progress))
     save_run(model, cfg, hf_dir, out, {"family": family})

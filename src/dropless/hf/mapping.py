@@ -54,13 +54,14 @@ one).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
 from ..config import ModelConfig
 from ..configtree import _fail
 from ..model import MoEModel
+from ..model_knobs import moe_layout
 from ..moe_config import BalanceConfig, MoEConfig, RouterConfig
 from . import deepseek, rope
 from .defaults import Fields, refuse
@@ -77,25 +78,25 @@ class Slot:
     param: str  # dropless parameter or buffer name (as in model.state_dict())
     index: tuple[Any, ...] = ()  # the region of the parameter (empty: all of it)
     transpose: bool = False  # the HF tensor is the region with its last two dims swapped
+    # the HF tensor is a second copy of the whole parameter, which another slot fills (DeepSeek-V3's
+    # MTP layers repeat the embedding and the head): import checks it equals that parameter and
+    # stores nothing; export writes the parameter again
+    copy: bool = False
 
 
-def _dense_layers(n_layers: int, num_experts: int, mlp_only: list[int], step: int) -> int:
-    """Qwen3-MoE's rule for which layers are dense, as dropless's `n_dense_layers` (a prefix)."""
+def _qwen3_layers(n_layers: int, num_experts: int, mlp_only: list[int], step: int) -> list[int]:
+    """Qwen3-MoE's rule: layer i is MoE iff i is not in mlp_only_layers and (i + 1) % step == 0."""
     moe = [i for i in range(n_layers) if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0]
-    dense = [i for i in range(n_layers) if i not in moe]
     if not moe:
         refuse("num_experts", num_experts, "no MoE layer: a dense model (dropless imports MoE models)")
-    if dense != list(range(len(dense))):
-        field, value = ("decoder_sparse_step", step) if step != 1 else ("mlp_only_layers", mlp_only)
-        refuse(field, value, f"dense layers {dense} are not the first ones; dropless puts dense layers "
-               "first (model.n_dense_layers), then MoE layers")
-    return len(dense)
+    return moe
 
 
-def model_config(hf: dict[str, Any]) -> tuple[ModelConfig, str]:
+def model_config(hf: dict[str, Any], names: Iterable[str] | None = None) -> tuple[ModelConfig, str]:
     """A dropless ModelConfig equal to an HF config.json (as a dict), and its family; a key the file
     omits is transformers' default (hf/defaults.py); a ValueError naming the HF field for anything
-    dropless cannot express."""
+    dropless cannot express. `names`: the checkpoint's tensor names, where it matters which are
+    there (DeepSeek-V3's multi-token-prediction layers, hf/deepseek.py); None: the config alone."""
     family = hf.get("model_type")
     if family not in FAMILIES:
         refuse("model_type", family, f"supported families: {', '.join(FAMILIES)}")
@@ -105,13 +106,13 @@ def model_config(hf: dict[str, Any]) -> tuple[ModelConfig, str]:
     if float(f("attention_dropout")) != 0.0:
         refuse("attention_dropout", f("attention_dropout"), "dropless has no attention dropout")
     if family == "deepseek_v3":
-        return deepseek.model_config(f), family
+        return deepseek.model_config(f, names), family
     d, n_layers, H, max_pos = f("hidden_size"), f("num_hidden_layers"), f("num_attention_heads"), f("max_position_embeddings")
     if family == "qwen3_moe":
         if f("use_sliding_window"):
             refuse("use_sliding_window", True, "sliding-window attention is not supported")
         E, d_expert = f("num_experts"), f("moe_intermediate_size")
-        n_dense = _dense_layers(n_layers, E, list(f("mlp_only_layers") or []), int(f("decoder_sparse_step")))
+        moe_ids = _qwen3_layers(n_layers, E, list(f("mlp_only_layers") or []), int(f("decoder_sparse_step")))
         renorm, qk_norm, bias = bool(f("norm_topk_prob")), True, bool(f("attention_bias"))
         d_ff_dense = f("intermediate_size")  # read only by dense layers
     else:
@@ -122,11 +123,12 @@ def model_config(hf: dict[str, Any]) -> tuple[ModelConfig, str]:
         if float(f("router_jitter_noise")) != 0.0:
             refuse("router_jitter_noise", f("router_jitter_noise"), "router jitter is not supported")
         E, d_expert = f("num_local_experts"), f("intermediate_size")
-        n_dense, renorm, qk_norm, bias, d_ff_dense = 0, True, False, False, 512
+        moe_ids, renorm, qk_norm, bias, d_ff_dense = list(range(n_layers)), True, False, False, 512
+    n_dense, freq = moe_layout(n_layers, moe_ids)
     K = f("num_experts_per_tok")
     router = RouterConfig(score_func="softmax", pre_softmax=True, renormalize=renorm,
                           norm_top_k=1 if (K == 1 and renorm) else None)
-    aux = float(f("router_aux_loss_coef")) * K / (n_layers - n_dense)
+    aux = float(f("router_aux_loss_coef")) * K / len(moe_ids)
     moe = MoEConfig(num_experts=E, top_k=K, d_expert=d_expert, activation="swiglu", router=router,
                     balance=BalanceConfig(aux_loss_coeff=aux, z_loss_coeff=0.0))
     kv, head_dim = f("num_key_value_heads"), f("head_dim")
@@ -134,7 +136,7 @@ def model_config(hf: dict[str, Any]) -> tuple[ModelConfig, str]:
     cfg = ModelConfig(
         vocab_size=f("vocab_size"), d_model=d, n_layers=n_layers, n_heads=H, n_kv_heads=H if kv is None else kv,
         head_dim=head_dim or d // H, qk_norm=qk_norm, attn_bias=bias, max_seq_len=max_pos, n_dense_layers=n_dense,
-        d_ff_dense=d_ff_dense, tie_embeddings=bool(f("tie_word_embeddings")), rope_theta=theta,
+        moe_layer_freq=freq, d_ff_dense=d_ff_dense, tie_embeddings=bool(f("tie_word_embeddings")), rope_theta=theta,
         norm_eps=float(f("rms_norm_eps")), init_std=float(f("initializer_range")), moe=moe)
     return cfg, family
 
@@ -160,8 +162,6 @@ def check_exportable(cfg: ModelConfig, family: str) -> None:
         ("model.moe.router.norm_top_k", r.norm_top_k,
          r.norm_top_k is not None and r.norm_top_k != m.top_k, "weights normalised over the top_k run"),
         ("model.n_dense_layers", cfg.n_dense_layers, cfg.n_moe_layers == 0, "no MoE layer"),
-        ("model.moe_layer_freq", cfg.moe_layer_freq,
-         cfg.moe_layer_ids != tuple(range(cfg.n_dense_layers, cfg.n_layers)), "a dense prefix, then MoE layers"),
         ("model.block", cfg.block, cfg.block != "sequential", "sequential blocks"),
         ("model.moe.n_identity_experts", m.n_identity_experts, m.n_identity_experts > 0, "no identity experts"),
         ("model.moe.latent_dim", m.latent_dim, m.latent_dim > 0, "experts in the model width"),
@@ -185,6 +185,7 @@ def check_exportable(cfg: ModelConfig, family: str) -> None:
         checks += [
             ("model.attn_bias", cfg.attn_bias, cfg.attn_bias, "no attention biases"),
             ("model.n_dense_layers", cfg.n_dense_layers, cfg.n_dense_layers > 0, "every layer is MoE"),
+            ("model.moe_layer_freq", cfg.moe_layer_freq, cfg.n_moe_layers != cfg.n_layers, "every layer is MoE"),
             ("model.moe.router.renormalize", r.renormalize, not renormalises(cfg),
              "the top-k weights are always renormalised (with top_k=1: set norm_top_k=1)"),
         ]
@@ -227,14 +228,16 @@ def hf_config(cfg: ModelConfig, family: str, dtype: str = "float32") -> dict[str
     }
     d_ff_dense = dense[0].down.weight.shape[1] if dense else cfg.d_ff_dense  # (no dense layer: never read)
     if family == "deepseek_v3":
-        out.update(deepseek.hf_config(attn, moe[0], len(dense), d_ff_dense))
+        out.update(deepseek.hf_config(attn, moe[0], [b.is_moe for b in model.blocks], d_ff_dense,
+                                      len(model.mtp) if model.mtp_moe_layers() else 0))
         out["norm_topk_prob"] = renormalises(cfg)
         del out["router_aux_loss_coef"]  # (the family has no aux loss field; its rule: hf/deepseek.py)
         return out
     out["head_dim"] = attn.head_dim  # (DeepSeek-V3's config derives it: qk_rope_head_dim)
     if family == "qwen3_moe":
         out.update({"num_experts": E, "moe_intermediate_size": F, "norm_topk_prob": renormalises(cfg),
-                    "decoder_sparse_step": 1, "mlp_only_layers": list(range(len(dense))),
+                    "decoder_sparse_step": 1,
+                    "mlp_only_layers": [i for i, b in enumerate(model.blocks) if not b.is_moe],
                     "intermediate_size": d_ff_dense, "attention_bias": attn.qkv.bias is not None,
                     "use_sliding_window": False, "sliding_window": None})
     else:
@@ -243,8 +246,8 @@ def hf_config(cfg: ModelConfig, family: str, dtype: str = "float32") -> dict[str
     return out
 
 
-def _moe_prefix(family: str, i: int) -> str:
-    return f"model.layers.{i}." + ("block_sparse_moe" if family == "mixtral" else "mlp")
+def _moe_prefix(family: str, hf: str) -> str:
+    return hf + ("block_sparse_moe" if family == "mixtral" else "mlp")
 
 
 def _expert_names(family: str) -> tuple[str, str, str]:
@@ -260,11 +263,12 @@ class _Slots:
     def __contains__(self, param: str) -> bool:
         return param in self.params
 
-    def __call__(self, hf_name: str, param: str, index: tuple[Any, ...] = (), transpose: bool = False) -> Slot:
+    def __call__(self, hf_name: str, param: str, index: tuple[Any, ...] = (), transpose: bool = False,
+                 copy: bool = False) -> Slot:
         shape = tuple((self.params[param][index] if index else self.params[param]).shape)
         if transpose:
             shape = (*shape[:-2], shape[-1], shape[-2])
-        return Slot(hf_name, shape, param, index, transpose)
+        return Slot(hf_name, shape, param, index, transpose, copy)
 
 
 def slots(model: MoEModel, family: str) -> list[Slot]:
@@ -275,28 +279,34 @@ def slots(model: MoEModel, family: str) -> list[Slot]:
     if "head.weight" in slot:  # (tied: named_parameters lists the shared weight once, as embed.weight)
         out.append(slot("lm_head.weight", "head.weight"))
     for i, block in enumerate(model.blocks):
-        hf, dl = f"model.layers.{i}.", f"blocks.{i}."
-        out += [slot(hf + "input_layernorm.weight", dl + "attn_norm.weight"),
-                slot(hf + "post_attention_layernorm.weight", dl + "ffn_norm.weight")]
-        if family == "deepseek_v3":
-            out += deepseek.attention_slots(hf, dl, slot)
-        else:
-            out += _attention_slots(block.attn, hf, dl, slot)
-        if not block.is_moe:  # Qwen3's or DeepSeek's dense MLP (check_exportable keeps Mixtral all-MoE)
-            out += _mlp_slots(block.ffn, hf + "mlp.", dl + "ffn.", slot)
-            continue
-        p, (gate, up, down) = _moe_prefix(family, i), _expert_names(family)
-        w1, w2 = dl + "ffn.experts.w_gate_up_EDF", dl + "ffn.experts.w_down_EFD"
-        E, F, _ = block.ffn.experts.w_down_EFD.shape
-        out.append(slot(p + ".gate.weight", dl + "ffn.router.weight"))
-        if family == "deepseek_v3":
-            out.append(slot(hf + "mlp.gate.e_score_correction_bias", dl + "ffn.router.expert_bias"))
-            out += _mlp_slots(block.ffn.shared, hf + "mlp.shared_experts.", dl + "ffn.shared.", slot)
-        for e in range(E):
-            x = f"{p}.experts.{e}."
-            out += [slot(x + gate + ".weight", w1, (e, slice(None), slice(0, F)), True),
-                    slot(x + up + ".weight", w1, (e, slice(None), slice(F, 2 * F)), True),
-                    slot(x + down + ".weight", w2, (e,), True)]
+        out += _layer_slots(block, f"model.layers.{i}.", f"blocks.{i}.", family, slot)
+    if family == "deepseek_v3" and model.mtp_moe_layers():  # (dense MTP blocks: left out, export_hf.py)
+        out += deepseek.mtp_slots(model, slot, lambda block, hf, dl: _layer_slots(block, hf, dl, family, slot))
+    return out
+
+
+def _layer_slots(block: torch.nn.Module, hf: str, dl: str, family: str, slot: _Slots) -> list[Slot]:
+    """One decoder layer (`hf`, `dl`: its prefixes; a main block, or an MTP module's)."""
+    out = [slot(hf + "input_layernorm.weight", dl + "attn_norm.weight"),
+           slot(hf + "post_attention_layernorm.weight", dl + "ffn_norm.weight")]
+    if family == "deepseek_v3":
+        out += deepseek.attention_slots(hf, dl, slot)
+    else:
+        out += _attention_slots(block.attn, hf, dl, slot)
+    if not block.is_moe:  # Qwen3's or DeepSeek's dense MLP (check_exportable keeps Mixtral all-MoE)
+        return out + _mlp_slots(block.ffn, hf + "mlp.", dl + "ffn.", slot)
+    p, (gate, up, down) = _moe_prefix(family, hf), _expert_names(family)
+    w1, w2 = dl + "ffn.experts.w_gate_up_EDF", dl + "ffn.experts.w_down_EFD"
+    E, F, _ = block.ffn.experts.w_down_EFD.shape
+    out.append(slot(p + ".gate.weight", dl + "ffn.router.weight"))
+    if family == "deepseek_v3":
+        out.append(slot(hf + "mlp.gate.e_score_correction_bias", dl + "ffn.router.expert_bias"))
+        out += _mlp_slots(block.ffn.shared, hf + "mlp.shared_experts.", dl + "ffn.shared.", slot)
+    for e in range(E):
+        x = f"{p}.experts.{e}."
+        out += [slot(x + gate + ".weight", w1, (e, slice(None), slice(0, F)), True),
+                slot(x + up + ".weight", w1, (e, slice(None), slice(F, 2 * F)), True),
+                slot(x + down + ".weight", w2, (e,), True)]
     return out
 
 

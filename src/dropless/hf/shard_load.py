@@ -116,37 +116,30 @@ class _Files:
 def _check_names(slots: dict[str, mapping.Slot], alternates: dict[str, mapping.Slot], names: dict[str, tuple],
                  model: MoEModel, family: str, block: int | None, params: dict[str, torch.Tensor]) -> list[str]:
     """Every name and shape from the headers: the names to read; ValueError for anything wrong."""
-    n_layers, tied = len(model.blocks), model.head.weight is model.embed.weight
-    unexpected, mtp, read = [], set(), []
+    tied = model.head.weight is model.embed.weight
+    unexpected, read = [], []
     filled: dict[str, int] = defaultdict(int)
     for name, (shape, path, dtype) in names.items():
         slot = slots.get(name) or alternates.get(name)
         if slot is None:
-            layer = _layer_index(name)
-            if family == "deepseek_v3" and layer is not None and layer >= n_layers:
-                mtp.add(layer)
-            elif not (name.endswith(fp8.SCALE_SUFFIX) and block is not None) and \
+            if not (name.endswith(fp8.SCALE_SUFFIX) and block is not None) and \
                     not (name == "lm_head.weight" and tied) and not name.endswith(IGNORED_SUFFIXES):
                 unexpected.append(name)
             continue
         _check_dtype(name, path, dtype, block)
         if shape != slot.shape:
             raise ValueError(f"tensor {name} in {path.name}: shape {shape}, but config.json implies {slot.shape}")
-        filled[slot.param] += math.prod(shape)
+        if not slot.copy:  # (a copy repeats a parameter another slot fills: compared, not counted)
+            filled[slot.param] += math.prod(shape)
         read.append(name)
-    if mtp:
-        import warnings
-
-        warnings.warn(f"skipped the multi-token-prediction layer(s) {sorted(mtp)} (layer index >= "
-                      f"num_hidden_layers={n_layers}): dropless neither trains nor exports MTP layers",
-                      stacklevel=3)
     if unexpected:
         raise ValueError(f"unexpected tensors (not part of a {family} model with this config.json): "
                          f"{', '.join(sorted(unexpected)[:8])}{' ...' if len(unexpected) > 8 else ''}")
     twice = [n for n, c in filled.items() if c > params[n].numel()]
     if twice:
         raise ValueError(f"the checkpoint holds some weights twice (per-expert and fused layouts?): {twice[:4]}")
-    missing = [s.hf_name for s in slots.values() if s.hf_name not in names and filled[s.param] < params[s.param].numel()]
+    missing = [s.hf_name for s in slots.values()
+               if s.hf_name not in names and (s.copy or filled[s.param] < params[s.param].numel())]
     if missing:
         raise ValueError(f"missing tensors: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
     return read
@@ -159,13 +152,6 @@ def _check_dtype(name: str, path: Path, dtype: str, block: int | None) -> None:
         raise ValueError(f"tensor {name} in {path.name}: dtype {shown} is not supported "
                          "(fp32, bf16, fp16, or float8_e4m3fn with block scales and a "
                          "quantization_config in config.json)")
-
-
-def _layer_index(name: str) -> int | None:
-    parts = name.split(".")
-    if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
-        return int(parts[2])
-    return None
 
 
 @torch.no_grad()
@@ -192,12 +178,16 @@ def load_local(model: MoEModel, hf_dir: str | Path, family: str, files: list[Pat
                 stats.largest_tensor_bytes = max(stats.largest_tensor_bytes, size)
     to_read = set(_check_names(slots, alternates, names, twin, family, block, globals_))
     parts = {p: where(p, t) for p, t in local.items()}
+    copies: list[tuple[str, Path]] = []
     for path in progress_bar(files, progress):
         with reader.handle(path) as f:
             for name in f.keys():
                 if name not in to_read:
                     continue
                 slot = slots.get(name) or alternates[name]
+                if slot.copy:  # compared once every parameter is filled
+                    copies.append((name, path))
+                    continue
                 plan = _plan(slot, globals_[slot.param].shape[0] if globals_[slot.param].dim() else 1,
                              parts[slot.param])
                 if plan is None:
@@ -208,7 +198,28 @@ def load_local(model: MoEModel, hf_dir: str | Path, family: str, files: list[Pat
                 stats.tensors_read += 1
                 region = parts[slot.param].tensor[dest]
                 region.copy_(t.transpose(-1, -2) if slot.transpose else t)
+    for name, path in copies:
+        _compare_copy(name, path, slots[name], reader, globals_, parts, block, stats)
     return stats
+
+
+def _compare_copy(name: str, path: Path, slot: mapping.Slot, reader: _Files, globals_: dict[str, torch.Tensor],
+                  parts: dict[str, init.LocalRows], block: int | None, stats: LoadStats) -> None:
+    """A tensor that repeats a parameter (DeepSeek-V3's MTP layers store the shared embedding and
+    head again): this process's rows of it must equal what it loaded."""
+    g = globals_[slot.param]
+    plan = _plan(slot, g.shape[0] if g.dim() else 1, parts[slot.param])
+    if plan is None:
+        return
+    read, dest = plan
+    with reader.handle(path) as f:
+        t = _read(f, name, read, slot, reader, path, block)
+    stats.bytes_read += t.numel() * t.element_size()
+    region = parts[slot.param].tensor[dest]
+    t = t.transpose(-1, -2) if slot.transpose else t
+    if not torch.equal(t.to(region.dtype), region):
+        raise ValueError(f"tensor {name} in {path.name}: not equal to {slot.param}'s tensor, which it "
+                         "repeats (dropless shares one embedding and one head with the MTP layers)")
 
 
 def _read(f: Any, name: str, read: tuple, slot: mapping.Slot, reader: _Files, path: Path,

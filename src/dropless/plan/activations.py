@@ -219,7 +219,8 @@ def head_bytes(model: MoEModel, batch: int, seq_len: int, bf16: bool) -> int:
 def mtp_bytes(model: MoEModel, k: int, batch: int, seq_len: int, bf16: bool) -> int:
     """The model's k-th multi-token prediction module (layers/mtp.py), fed a hidden state of
     `seq_len` positions (module k: seq_len = S - k + 1; it runs on one position fewer): norms,
-    projection, its dense block, head and loss. Its input (the main model's last hidden state, or
+    projection, its block (dense, or MoE with model.mtp_block="moe", its experts run as one device
+    runs them), head and loss. Its input (the main model's last hidden state, or
     the previous module's output) is counted where it was made."""
     module = model.mtp[k - 1]
     x = _stream(model, batch, seq_len)
@@ -227,7 +228,7 @@ def mtp_bytes(model: MoEModel, k: int, batch: int, seq_len: int, bf16: bool) -> 
     cos, sin = _tables(model, seq_len)
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        return mtp_loss(torch.nn.ModuleList([module]), x, targets, model.embed, model.head, cos, sin)
+        return mtp_loss(torch.nn.ModuleList([module]), x, targets, model.embed, model.head, cos, sin)[0]
 
     params = [*module.parameters(), *model.embed.parameters(), *model.head.parameters(), cos, sin]
     with _autocast(bf16), _checkpoints_count_inputs():

@@ -13,6 +13,11 @@ flag to `end_step(skip)`: every buffer rule then writes `where(skip, old, new)`,
 and the thresholds keep their values bit for bit, without a host read; the step's statistics leave
 the routing record (monitor/stats.py StepAccumulator, which counts the skipped steps instead).
 
+The MTP modules' MoE blocks (model.mtp_block "moe") are balanced with the main layers: their step
+counts, quantiles and thresholds feed the same buffer rules (`rule_layers`: the main layers, then
+theirs). Their statistics stay out of the routing record and the alarms, which are the main
+model's layers (`model.moe_layers()`), and the probe never runs them (evaluation mode).
+
 The probe batch is fixed for the run (the first validation window), so the step-to-step flip rate
 measures the router changing, not the data.
 
@@ -62,6 +67,10 @@ class TrainHealth:
         self.reduce = all_reduce or _no_reduce
         dev = model.embed.weight.device
         self.acc = mstats.StepAccumulator(len(self.layers), self.slots.selectable, moe.top_k, dev)
+        # the buffer rules' layers (module note): the main ones, then the MTP modules' MoE blocks
+        self.rule_layers: list[MoELayer] = model.all_moe_layers()
+        self.mtp_counts_LE = torch.zeros(len(self.rule_layers) - len(self.layers), self.slots.selectable,
+                                         device=dev)
         self.write = write
         self.monitor = HealthMonitor(run_dir if write else None, echo=echo and write,
                                      thresholds=AlarmThresholds(warmup_steps=alarm_warmup,
@@ -109,21 +118,26 @@ class TrainHealth:
         self._warm = step < bal.bias_warm_start_steps  # the quantile rule sets the bias this step
         for layer in self.layers:
             layer.detailed_stats = log_step
+        for layer in self.rule_layers:
             layer.quantile_stats = bal.quantile_balance or self._warm
         self._quantile, self._threshold, self._n_micro = [], [], 0
+        self.mtp_counts_LE.zero_()
         if self.layers:
             self.acc.begin_step()
 
     def add_micro(self, out: ModelOutput) -> None:
-        if not self.layers:  # a dense model (the `dense` baseline): nothing to watch
+        if not self.rule_layers:  # a dense model (the `dense` baseline): nothing to watch
             return
         for i, m in enumerate(out.moe):
             self.acc.add(i, m.stats, m.aux_loss)
+        for i, m in enumerate(out.mtp_moe):
+            self.mtp_counts_LE[i] += m.stats.tokens_per_expert_E.detach().float()
+        rule = [*out.moe, *out.mtp_moe]  # rule_layers' order
         if self.cfg.balance.quantile_balance or self._warm:
-            q = torch.stack([m.stats.quantile_bias_E for m in out.moe])
+            q = torch.stack([m.stats.quantile_bias_E for m in rule])
             self._quantile.append(q)
         if self.cfg.router.strategy == "expert_threshold":
-            self._threshold.append(torch.stack([m.stats.score_quantile_E for m in out.moe]))
+            self._threshold.append(torch.stack([m.stats.score_quantile_E for m in rule]))
         self._n_micro += 1
 
     def _mean_over_micro_and_ranks(self, items: list[torch.Tensor]) -> torch.Tensor:
@@ -151,9 +165,12 @@ class TrainHealth:
         `skip` (device bool): the step was not applied, so no buffer moves (module note);
         `nonfinite` (device bool): it was skipped for a non-finite loss or gradient norm;
         `rate_scale`: the factor on the loss-free bias step this step (balance.bias_rate_scale)."""
-        if not self.layers:
+        if not self.rule_layers:
             return
         self.reduce(self.acc.step_counts_LE, "sum")
+        if len(self.mtp_counts_LE):
+            self.reduce(self.mtp_counts_LE, "sum")
+        counts_LE = torch.cat([self.acc.step_counts_LE, self.mtp_counts_LE])  # rule_layers' order
 
         def keep(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
             return new if skip is None else torch.where(skip, old, new)
@@ -161,33 +178,33 @@ class TrainHealth:
         bal = self.cfg.balance
         if bal.bias_update_rate > 0 and not self._warm:
             rate = bal.bias_update_rate * rate_scale
-            for i, layer in enumerate(self.layers):
+            for i, layer in enumerate(self.rule_layers):
                 r = layer.router
                 bias = r.expert_bias
                 if bal.bias_update_rule == "adaptive":
                     new, step, sign = balance.adaptive_bias_update(
-                        bias, r.bias_step_E, r.bias_sign_E, self.acc.step_counts_LE[i], rate)
+                        bias, r.bias_step_E, r.bias_sign_E, counts_LE[i], rate)
                     r.set_adaptive(keep(r.bias_step_E, step), keep(r.bias_sign_E, sign))
                 else:
-                    new = balance.bias_update(bias, self.acc.step_counts_LE[i], rate,
-                                              bal.bias_update_rule)
+                    new = balance.bias_update(bias, counts_LE[i], rate, bal.bias_update_rule)
                 r.set_bias(keep(bias, new))
         if self._quantile:
             q_LE = self._mean_over_micro_and_ranks(self._quantile)
             m = 0.0 if self._warm else bal.quantile_momentum  # the warm start sets it outright
-            for i, layer in enumerate(self.layers):
+            for i, layer in enumerate(self.rule_layers):
                 bias = layer.router.expert_bias
                 layer.router.set_bias(keep(bias, balance.quantile_step(bias, q_LE[i], m)))
         if self._threshold:
             t_LE = self._mean_over_micro_and_ranks(self._threshold)
-            for i, layer in enumerate(self.layers):
+            for i, layer in enumerate(self.rule_layers):
                 r = layer.router
                 old = (r.threshold_E.clone(), r.threshold_ready.clone())
                 r.update_threshold(t_LE[i])
                 if skip is not None:
                     r.threshold_E.copy_(keep(old[0], r.threshold_E))
                     r.threshold_ready.copy_(keep(old[1], r.threshold_ready))
-        self.acc.end_step(skip, nonfinite)
+        if self.layers:  # (MTP MoE blocks on an all-dense main model: no table to close)
+            self.acc.end_step(skip, nonfinite)
 
     # -- per log interval ---------------------------------------------------------------------------
 

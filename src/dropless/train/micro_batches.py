@@ -72,8 +72,8 @@ class MicroBatches:
             if self.replicas is not None:
                 self.replicas.observe(out.stats)
             if self.overflow is not None:
-                self.overflow.observe(out.stats)
-                d, m = OverflowGuard.count(out.stats)
+                self.overflow.observe(out.all_stats)  # the MTP modules' MoE blocks too
+                d, m = OverflowGuard.count(out.all_stats)
                 dropped, demand = dropped + d, torch.maximum(demand, m)
             sums.loss += loss.detach().float() / A
             sums.ce += out.ce_loss.detach().float() / A

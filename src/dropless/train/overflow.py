@@ -156,7 +156,7 @@ def build_guard(model: Any, optimizer: torch.optim.Optimizer, reduce: AllReduce 
     """The trainer's guard for buffered EP (None for exact mode or a model without MoE layers):
     the capacity of the layers' fixed buffers, and with `ragged_buffer_factor = "auto"` the adaptive
     link sizes (train/ep_buffers.py). `p`: the ParallelConfig with its token bound filled in."""
-    layers = model.moe_layers()
+    layers = model.all_moe_layers()  # an MTP module's MoE block dispatches through EP buffers too
     if p.ep_mode != "buffered" or not layers:
         return None
     capacity = layers[0].dispatcher.capacity(p.max_tokens_per_rank, top_k)
