@@ -30,7 +30,7 @@ from .. import atomic
 from ..config import save_config, to_dict
 from ..distributed.materialize import build_model
 from ..distributed.mesh import build_meshes, init_distributed
-from . import import_hf, mapping
+from . import import_hf
 from .import_hf import check_out, describe_balancing, read_config, run_config, shard_files, write_run
 
 
