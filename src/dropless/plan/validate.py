@@ -6,7 +6,7 @@ tensors, on the CPU, at world 1, 2 and 4 (FSDP2 + EP over gloo, spawned processe
                                      [--set a.b=value ...] [--no-ep] [--json FILE]
 
 A benchmark, not a test (minutes of CPU). Each case builds the model and optimizer exactly as the
-trainer does (MoEModel seeded on the CPU, distributed/parallelize.py's EP then FSDP2, train/optim.py)
+trainer does (built on meta, EP then FSDP2 there, each rank's shards filled: distributed/materialize.py; train/optim.py)
 and runs `--steps` training steps on random tokens; on every rank it measures, from live tensors and
 counted otherwise than the planner counts them:
 - params: the storages of the local parameter shards (DTensor local tensors: FSDP2's padded shards);
@@ -118,20 +118,16 @@ def measure(cfg: RunConfig, steps: int, distributed: bool) -> dict[str, int]:
     """One rank's measured bytes (module note); the trainer's build and step, on random tokens."""
     from ..distributed import comm
     from ..distributed import parallelize as par
+    from ..distributed.materialize import build_model
     from ..distributed.mesh import build_meshes
     from ..layers import offload
-    from ..model import MoEModel
     from ..train.optim import build_optimizer
 
     t = cfg.train
     torch.manual_seed(t.seed)
-    model = MoEModel(cfg.model)
     p = cfg.parallel.with_token_bound(t.batch_size * t.seq_len)
-    names: list[str] = []
-    meshes = None
-    if distributed:
-        meshes = build_meshes(p.ep_size, "cpu")
-        names = par.parallelize_model(model, meshes, p)
+    meshes = build_meshes(p.ep_size, "cpu") if distributed else None
+    model, names, _ = build_model(cfg.model, torch.device("cpu"), t.seed, meshes, p)
     opt = build_optimizer(model, t)
     out: dict[str, int] = {"params": _storage_bytes(list(model.parameters()))}
     sent: list[int] = []

@@ -35,15 +35,15 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from ..config import RunConfig, save_config, to_dict
 from ..distributed import parallelize as par
+from ..distributed.materialize import Fill
 from ..distributed.watch import watch_step
 from ..layers import balance
-from ..model import MoEModel
 from ..runs import checkpoint as ckpt
 from ..runs import dist_checkpoint
 from . import compiling
@@ -64,10 +64,11 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, run_dir: str | Path, resume: bool = False,
                  device: torch.device | None = None,
-                 init_weights: Callable[[MoEModel], None] | None = None) -> None:
-        """`device` overrides `train.device` (tests run a step on "meta"). `init_weights` fills the
-        freshly built model (on the CPU, before it is moved or parallelized), e.g. from a Hugging
-        Face checkpoint (`dropless train --init-from hf:DIR`)."""
+                 init_weights: Fill | None = None) -> None:
+        """`device` overrides `train.device` (tests run a step on "meta"). `init_weights` fills each
+        rank's shards of the freshly materialised model instead of the initial weights
+        (distributed/materialize.py), e.g. from a Hugging Face checkpoint (`dropless train
+        --init-from hf:DIR`)."""
         self.cfg = cfg
         t = cfg.train
         self.layout = build_layout(cfg, device)
