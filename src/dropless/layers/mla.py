@@ -45,7 +45,7 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 
 class LatentAttention(nn.Module):
-    """Causal multi-head latent attention; the same call as model.Attention."""
+    """Causal multi-head latent attention; the same call as layers/attention.py Attention."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -72,7 +72,7 @@ class LatentAttention(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor,
                 kv: LayerKVCache | None = None, mask_B1SL: torch.Tensor | None = None) -> torch.Tensor:
-        """As model.Attention.forward: `kv` this layer's cache, `mask_B1SL` bool, True = attend."""
+        """As Attention.forward (layers/attention.py): `kv` this layer's cache, `mask_B1SL` bool, True = attend."""
         B, S, _ = x_BSD.shape
         H, Dn, Dr = self.n_heads, self.nope_dim, self.rope_dim
         q_BHSDqk = self._query(x_BSD).view(B, S, H, self.head_dim).transpose(1, 2)
