@@ -40,7 +40,7 @@ def per_module_sums(model: MoEModel, xs: torch.Tensor, ys: torch.Tensor, ids_LSK
             out.append((torch.zeros(()), 0))
             continue
         e = model.embed(full[:, k:n])
-        z = m.proj(torch.cat([m.hidden_norm(h[:, :n - k]), m.embed_norm(e)], dim=-1))
+        z = m.proj(torch.cat([m.embed_norm(e), m.hidden_norm(h[:, :n - k])], dim=-1))  # DeepSeek's order
         h = m.block(z, model.rope_cos[:n - k], model.rope_sin[:n - k]).x
         logits = model.head(m.out_norm(h)).float()[0]
         out.append((F.cross_entropy(logits, full[0, k + 1:n + 1], reduction="sum"), n - k))

@@ -46,12 +46,14 @@ def load_model(run_dir: str | Path, device: torch.device | str = "cpu",
         cfg.model = model_cfg(cfg.model)  # a new ModelConfig validates itself on construction
     if packed.is_packed_run(run_dir):
         return packed.load_packed(run_dir, cfg, device), cfg
-    model = MoEModel(cfg.model)
+    with torch.device("meta"):  # allocated once, on `device`, and filled from the checkpoint alone
+        model = MoEModel(cfg.model)
+    model.materialize(device)
     if ckpt.is_dcp_checkpoint(path):
         from . import dist_checkpoint
 
         dist_checkpoint.load_full_model(path, model)
     else:
         model.load_state_dict(ckpt.load_checkpoint(path)["model"])
-    model.to(device).eval()
+    model.eval()
     return model, cfg
