@@ -135,7 +135,8 @@ def test_validate_recipe_case_keeps_the_recipe_widths() -> None:
     changed = {k for k in recipe if recipe[k] != case[k]}
     assert changed == {"n_layers", "vocab_size", "max_seq_len", "moe"}, changed
     assert {k for k in recipe["moe"] if recipe["moe"][k] != case["moe"][k]} == {"num_experts"}
-    assert (cut.train.optimizer, cut.train.dtype, cut.train.batch_size * cut.train.seq_len) == ("adamw", "bf16", 512)
+    train = cut.train
+    assert (train.optimizer, train.dtype, train.batch_size * train.seq_len) == ("adamw", "bf16", 512)
     assert cut.model.moe.num_experts // cut.parallel.ep_size == recipe["moe"]["num_experts"] // 8
 
 

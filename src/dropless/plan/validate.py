@@ -31,8 +31,8 @@ d/64 heads) as a 2-block model (one dense block, one MoE block). `qwen3_30b_a3b_
 `plan/qwen3_30b_a3b` at its widths (d 2048, 32 query / 4 key-value heads of 128, q/k norm, top-8
 experts of width 768, bf16 autocast, AdamW) as 1 x 512 tokens, cut to what 4 ranks fit in 10 GiB of
 a CPU host (AdamW holds 16 B per parameter): 1 MoE block, 64 experts (EP 4 keeps 16 per rank, as the
-full model at EP 8) and a vocabulary of 16384 (151936 would hold 10 GB in embedding and head alone). Routing is the model's own
-token-choice router at initialisation (not `forced_balance`, whose K consecutive experts per token
+full model at EP 8) and a vocabulary of 16384 (151936 would hold 10 GB in embedding and head alone).
+Routing is the model's own token-choice router at initialisation (not `forced_balance`, whose K consecutive experts per token
 land on one or two EP ranks, far fewer than independent choices: the de-dup traffic would say more
 about that generator than about training). World 2 runs EP 2 in buffered mode; world 4 runs EP 2 x 2 expert-data-parallel
 in exact mode (FSDP shards each expert slice over 2 ranks).
