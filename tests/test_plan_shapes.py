@@ -121,6 +121,25 @@ def test_plan_presets_are_the_published_models_and_plan(preset: str) -> None:
     assert p.params > 0 and p.activation_detail.moe_block > 0
 
 
+def test_validate_recipe_case_keeps_the_recipe_widths() -> None:
+    """`python -m dropless.plan.validate --cases qwen3_30b_a3b_1l` (docs/planner.md) measures the
+    Qwen3-30B-A3B recipe cut only where its module note says (blocks, experts, vocabulary, sequence):
+    every other field of the model is the recipe's, and at EP 4 a rank holds the 16 experts a rank of
+    the full model holds at EP 8."""
+    from dataclasses import asdict
+
+    from dropless.plan.validate import case_config
+    recipe = asdict(load_config(preset_path("plan/qwen3_30b_a3b")).model)
+    cut = case_config("qwen3_30b_a3b_1l", 4, "bf16", ("parallel.ep_size=4",))
+    case = asdict(cut.model)
+    changed = {k for k in recipe if recipe[k] != case[k]}
+    assert changed == {"n_layers", "vocab_size", "max_seq_len", "moe"}, changed
+    assert {k for k in recipe["moe"] if recipe["moe"][k] != case["moe"][k]} == {"num_experts"}
+    train = cut.train
+    assert (train.optimizer, train.dtype, train.batch_size * train.seq_len) == ("adamw", "bf16", 512)
+    assert cut.model.moe.num_experts // cut.parallel.ep_size == recipe["moe"]["num_experts"] // 8
+
+
 # a spread of model knobs, each changing which parameters exist or how wide they are
 PARAM_CASES = {
     "latent_identity": ["model.moe.latent_dim=128", "model.moe.latent_norm=true",

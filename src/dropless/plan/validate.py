@@ -27,8 +27,12 @@ the same config; the ratio predicted / measured must lie in [0.9, 1.1] for every
 
 Cases: `tiny` is the preset (4 blocks, d=256, 16 experts top-2, 16 x 256 tokens); `small` and
 `medium` are the `bench layer` shapes (T=4096 as 16 x 256, d=512/1024, 64 experts top-8, f=256/512,
-d/64 heads) as a 2-block model (one dense block, one MoE block). Routing is the model's own
-token-choice router at initialisation (not `forced_balance`, whose K consecutive experts per token
+d/64 heads) as a 2-block model (one dense block, one MoE block). `qwen3_30b_a3b_1l` is the recipe
+`plan/qwen3_30b_a3b` at its widths (d 2048, 32 query / 4 key-value heads of 128, q/k norm, top-8
+experts of width 768, bf16 autocast, AdamW) as 1 x 512 tokens, cut to what 4 ranks fit in 10 GiB of
+a CPU host (AdamW holds 16 B per parameter): 1 MoE block, 64 experts (EP 4 keeps 16 per rank, as the
+full model at EP 8) and a vocabulary of 16384 (151936 would hold 10 GB in embedding and head alone).
+Routing is the model's own token-choice router at initialisation (not `forced_balance`, whose K consecutive experts per token
 land on one or two EP ranks, far fewer than independent choices: the de-dup traffic would say more
 about that generator than about training). World 2 runs EP 2 in buffered mode; world 4 runs EP 2 x 2 expert-data-parallel
 in exact mode (FSDP shards each expert slice over 2 ranks).
@@ -65,14 +69,20 @@ from ..config import RunConfig, load_config
 from ..saved_bytes import AliveStorages
 from .model import plan
 
-CASES = {
-    "tiny": [],
-    "small": ["model.d_model=512", "model.n_heads=8", "model.moe.num_experts=64", "model.moe.top_k=8",
-              "model.moe.d_expert=256"],
-    "medium": ["model.d_model=1024", "model.n_heads=16", "model.moe.num_experts=64", "model.moe.top_k=8",
-               "model.moe.d_expert=512"],
-}
 BENCH_SHAPE = ["model.n_layers=2", "model.n_dense_layers=1", "model.d_ff_dense=1024"]
+# name: (the preset it starts from, its overrides)
+CASES = {
+    "tiny": ("tiny", []),
+    "small": ("tiny", ["model.d_model=512", "model.n_heads=8", "model.moe.num_experts=64", "model.moe.top_k=8",
+                       "model.moe.d_expert=256", *BENCH_SHAPE]),
+    "medium": ("tiny", ["model.d_model=1024", "model.n_heads=16", "model.moe.num_experts=64", "model.moe.top_k=8",
+                        "model.moe.d_expert=512", *BENCH_SHAPE]),
+    # the recipe's widths (d 2048, 32 q / 4 kv heads of 128, q/k norm, top-8 of width 768); what 4
+    # ranks of a 24 GiB CPU host hold cut (module note): 1 block, 64 experts, vocabulary 16384
+    "qwen3_30b_a3b_1l": ("plan/qwen3_30b_a3b", ["model.n_layers=1", "model.moe.num_experts=64",
+                                                "model.vocab_size=16384", "train.seq_len=512",
+                                                "model.max_seq_len=512"]),
+}
 WORLD_LAYOUT = {1: [], 2: ["parallel.ep_size=2", "parallel.ep_mode=buffered"],
                 4: ["parallel.ep_size=2", "parallel.ep_mode=exact"]}
 MEASURED = ("params", "grads", "optimizer", "activations", "ep_buffers", "offload_host")
@@ -96,10 +106,11 @@ VARIANTS = ("grid", "offload", "recompute_ep")
 
 def case_config(case: str, world: int, dtype: str, extra: tuple[str, ...] = (), ep: bool = True) -> RunConfig:
     from ..runs.presets import preset_path
-    over = list(CASES[case]) + (BENCH_SHAPE if case != "tiny" else []) + (WORLD_LAYOUT[world] if ep else [])
+    preset, shape = CASES[case]
+    over = list(shape) + (WORLD_LAYOUT[world] if ep else [])
     # AdamW: the planner's optimizer bytes are exact for it (Muon's are a stated upper bound)
     over += [f"train.dtype={dtype}", "train.device=cpu", "train.optimizer=adamw", *extra]
-    return load_config(preset_path("tiny"), over)
+    return load_config(preset_path(preset), over)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
