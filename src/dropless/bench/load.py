@@ -26,7 +26,7 @@ The checks (a load must not need much more memory than what it keeps):
   model's parameter and buffer bytes (built on the meta device).
 Host memory only: the bench runs on the CPU (train.device=cpu). Mapped pages of the safetensors
 files count in VmRSS while they are mapped, as they do for the trainer. Measured figures and limits:
-docs/loading.md "Measured: today's loader".
+docs/loading.md "Measured".
 """
 
 from __future__ import annotations
