@@ -93,7 +93,10 @@ def _no_sync_between_checks(rank: int, world: int) -> None:
 def _trainer_run(rank: int, world: int, root: Path) -> None:
     trainer = Trainer(tiny("model.moe.router.use_expert_bias=true", "model.moe.balance.bias_update_rate=0",
                            "parallel.ep_size=2", "parallel.ep_mode=buffered", "parallel.ragged_buffer_factor=auto",
-                           "parallel.overflow_check_every=2", "train.dtype=fp32", "train.steps=12"), root / "auto")
+                           "parallel.overflow_check_every=2", "train.dtype=fp32", "train.steps=12",
+                           # a seed whose initial router spreads the unbiased steps well under the
+                           # worst case (the premise, asserted below: the buffers shrink while balanced)
+                           "train.seed=1"), root / "auto")
     rows = []
     for step in range(10):
         skew = step in (6, 7)  # every token to experts 0 and 1 (rank 0's)
