@@ -34,15 +34,12 @@ from typing import Any, Callable
 import torch
 
 from .. import atomic
+from ..hf.optional import require
 
 
 def _transformers() -> Any:
-    try:
-        import transformers
-    except ImportError as e:
-        raise ImportError("python -m dropless.bench.hf_shapes needs `transformers` and `tokenizers`: "
-                          "pip install 'dropless[hf]'") from e
-    return transformers
+    require("tokenizers", "python -m dropless.bench.hf_shapes")
+    return require("transformers", "python -m dropless.bench.hf_shapes")
 
 
 def qwen3_30b_a3b_config(layers: int = 2) -> Any:

@@ -56,6 +56,7 @@ from .. import atomic
 from ..model import MoEModel
 from ..runs.dcp_tensors import Tensors, TensorSpec, check, open_tensors
 from . import mapping
+from .optional import require
 from .import_hf import INDEX_FILE, TOKENIZER_FILES, _safetensors
 from .shard_load import progress_bar
 
@@ -63,12 +64,7 @@ DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16
 
 
 def _split() -> Any:
-    try:
-        from huggingface_hub import split_torch_state_dict_into_shards
-    except ImportError as e:
-        raise ImportError("dropless export-hf needs `huggingface_hub` (installed with transformers): pip install "
-                          "huggingface_hub (or pip install 'dropless[hf]')") from e
-    return split_torch_state_dict_into_shards
+    return require("huggingface_hub", "dropless export-hf", "split_torch_state_dict_into_shards")
 
 
 def by_parameter(table: list[mapping.Slot]) -> list[mapping.Slot]:

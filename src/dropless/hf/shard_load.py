@@ -34,6 +34,7 @@ import torch
 from ..layers import init
 from ..model import MoEModel
 from . import fp8, mapping
+from .optional import require
 
 INDEX_FILE = "model.safetensors.index.json"
 # buffers some older checkpoints store (recomputed from the config by both libraries)
@@ -43,12 +44,7 @@ _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
 
 
 def safe_open() -> Any:
-    try:
-        from safetensors import safe_open as opener
-    except ImportError as e:
-        raise ImportError("dropless import-hf / export-hf need `safetensors`: pip install safetensors "
-                          "(or pip install 'dropless[hf]')") from e
-    return opener
+    return require("safetensors", "dropless import-hf / export-hf", "safe_open")
 
 
 @dataclass
