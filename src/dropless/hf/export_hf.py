@@ -34,8 +34,8 @@ expert's gate and up halves of `w_gate_up_EDF`, then every expert's down), huggi
 `split_torch_state_dict_into_shards` plans the shards from their shapes alone, and each shard is
 filled by reading each parameter it needs once (only the current one is kept), cutting its HF
 tensors out (cast to the output dtype, contiguous), written with safetensors, and dropped. Peak
-memory: one output shard plus one parameter (plus, while a parameter is read, the stored piece DCP
-copies into it). A parameter whose slots straddle a shard boundary stays cached into the next shard;
+memory: one output shard plus one parameter (runs/dcp_tensors.py reads a one-piece parameter
+without a second copy; the command runs on glibc's default allocator: cli.py). A parameter whose slots straddle a shard boundary stays cached into the next shard;
 it is read again only when huggingface_hub puts one of its slots, larger than the shard size, in a
 shard of its own out of order. An older one-process `state.pt` checkpoint is loaded whole (its
 pickle cannot be read a piece at a time) and written the same way.

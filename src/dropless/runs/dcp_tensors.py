@@ -10,9 +10,13 @@ rank files hold them; the checkpoint's other tensors (and the optimizer state) a
 for. The planner is the strict default on purpose: `allow_partial_load=True` means "a requested key
 may be absent from the checkpoint", and would hand back the uninitialised tensor for a wrong name.
 
-Memory: the tensor returned, plus, while it is read, the one stored piece DCP is copying into it
-(FileSystemReader deserialises each stored piece, then copies it into place). Nothing is cached:
-holding on to a tensor is the caller's choice.
+Memory: the tensor returned and nothing else when one piece holds all of it (a checkpoint written
+by one process, or a replicated tensor): that piece, deserialised straight from its place in the
+file, is the tensor. A tensor in several pieces (each rank's shard) is allocated once and each
+piece copied into place: the tensor plus one piece. (A plain DCP load would deserialise each piece
+and copy it into a tensor allocated beforehand: twice the tensor for a one-piece tensor.) Pieces
+the writer transformed (compressed) go through DCP's own load. Nothing is cached: holding on to a
+tensor is the caller's choice.
 
 The model's tensors live under "model." (dist_checkpoint saves {"model": ..., "optim": ...});
 `Tensors` takes and gives the model's own names (`blocks.0.ffn.experts.w_gate_up_EDF`).
@@ -24,10 +28,11 @@ interface.
 
 from __future__ import annotations
 
+import io
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, BinaryIO, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -71,6 +76,7 @@ class DCPTensors:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         metadata = dcp.FileSystemReader(str(self.path)).read_metadata()
+        self.storage = metadata.storage_data or {}  # (name, offsets) -> file, byte offset, length
         self.specs = {k[len(MODEL_PREFIX):]: TensorSpec(tuple(md.size), md.properties.dtype)
                       for k, md in metadata.state_dict_metadata.items()
                       if k.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata)}
@@ -78,6 +84,9 @@ class DCPTensors:
     def read(self, name: str) -> torch.Tensor:
         """The tensor `name` at its global shape and stored dtype, on the CPU."""
         spec = self.specs[name]
+        pieces = [(idx.offset, info) for idx, info in self.storage.items() if idx.fqn == MODEL_PREFIX + name]
+        if pieces and not any(info.transform_descriptors for _, info in pieces):
+            return self._read_pieces(spec, pieces)
         t = torch.empty(spec.shape, dtype=spec.dtype)
         with warnings.catch_warnings():
             # no_dist=True is the intent here: DCP still warns that no process group exists
@@ -85,6 +94,53 @@ class DCPTensors:
             dcp.load({MODEL_PREFIX + name: t}, checkpoint_id=str(self.path), no_dist=True,
                      planner=DefaultLoadPlanner())  # strict: a missing key raises (module note)
         return t
+
+
+    def _read_pieces(self, spec: TensorSpec, pieces: list) -> torch.Tensor:
+        """Each stored piece deserialised from its window of its file (torch.load reads the window
+        through seeks, not into a buffer first) and put at its offsets (module note)."""
+        out = None
+        for offsets, info in pieces:
+            with open(self.path / info.relative_path, "rb") as f:
+                piece = torch.load(_Window(f, info.offset, info.length), map_location="cpu", weights_only=True)
+            if len(pieces) == 1 and tuple(piece.shape) == spec.shape:
+                return piece if piece.dtype == spec.dtype else piece.to(spec.dtype)
+            if out is None:
+                out = torch.empty(spec.shape, dtype=spec.dtype)
+            out[tuple(slice(o, o + n) for o, n in zip(offsets, piece.shape))].copy_(piece)
+            del piece
+        return out
+
+
+class _Window(io.RawIOBase):
+    """A read-only, seekable view of bytes [start, start + length) of an open file."""
+
+    def __init__(self, f: BinaryIO, start: int, length: int) -> None:
+        super().__init__()
+        self.f, self.start, self.length, self.pos = f, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
+        self.pos = max(0, min(self.length, base + offset))
+        return self.pos
+
+    def readinto(self, buf: Any) -> int:
+        n = min(len(buf), self.length - self.pos)
+        if n <= 0:
+            return 0
+        self.f.seek(self.start + self.pos)
+        got = self.f.readinto(memoryview(buf)[:n])
+        self.pos += got
+        return got
 
 
 class StateTensors:
