@@ -40,7 +40,7 @@ def reference_loss(model: MoEModel, full_BS1: torch.Tensor) -> tuple[torch.Tenso
     x = model.embed(tok)
     moe = []
     for block in model.blocks:
-        out = block(x, cos[:S], sin[:S])
+        out = block(x, cos[:S], sin[:S], token_ids=tok)
         x = out.x
         if out.moe is not None:
             moe.append(out.moe)
@@ -50,7 +50,7 @@ def reference_loss(model: MoEModel, full_BS1: torch.Tensor) -> tuple[torch.Tenso
         n = S - k
         e = model.embed(full_BS1[:, k:k + n])  # token t+k at position t
         z = m.proj(torch.cat([m.embed_norm(e), m.hidden_norm(h[:, :n])], dim=-1))
-        out = m.block(z, cos[:n], sin[:n])
+        out = m.block(z, cos[:n], sin[:n], token_ids=full_BS1[:, k:k + n])  # hash routing: the token read
         h = out.x
         if out.moe is not None:
             mtp_moe.append(out.moe)
@@ -87,6 +87,18 @@ def test_mtp_against_reference(depth: int, recompute: list[str], block: str) -> 
     for n in got:
         assert torch.equal(got[n], want[n]), n
     assert any(n.startswith("mtp.") for n in got) and "embed.weight" in got
+
+
+def test_mtp_moe_block_with_hash_routing() -> None:
+    """A hash-routed MoE block in an MTP module routes by the token the module embeds."""
+    cfg = model_cfg("model.mtp_depth=2", "model.mtp_block=moe", "model.moe.router.strategy=hash",
+                    "model.moe.router.hash_buckets=64")
+    torch.manual_seed(0)
+    model = MoEModel(cfg)
+    full = sequence()
+    out = model(full[:, :S], full[:, 1:])
+    want_loss, want_mtp = reference_loss(model, full)
+    assert torch.equal(out.mtp_loss, want_mtp) and torch.equal(out.loss, want_loss)
 
 
 def test_mtp_off_by_default_and_in_eval() -> None:

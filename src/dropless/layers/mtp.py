@@ -57,10 +57,12 @@ class MTPModule(nn.Module):
         self.block = block
 
     def forward(self, h_BSD: torch.Tensor, e_BSD: torch.Tensor, cos_SF: torch.Tensor,
-                sin_SF: torch.Tensor) -> Any:
-        """The block's output (`.x` [B, S, D]; `.moe`: its MoEOutput, None for a dense block)."""
+                sin_SF: torch.Tensor, token_ids_BS: torch.Tensor | None = None) -> Any:
+        """The block's output (`.x` [B, S, D]; `.moe`: its MoEOutput, None for a dense block).
+        `token_ids_BS`: the ids `e_BSD` embeds, for an MoE block with hash routing (a function of
+        the token the module reads, as in the main blocks)."""
         x = self.proj(torch.cat([self.embed_norm(e_BSD), self.hidden_norm(h_BSD)], dim=-1))  # [embed; hidden]
-        return self.block(x, cos_SF, sin_SF)
+        return self.block(x, cos_SF, sin_SF, token_ids=token_ids_BS)
 
 
 def mtp_loss(modules: nn.ModuleList, h_BSD: torch.Tensor, targets_BS: torch.Tensor,
@@ -79,7 +81,8 @@ def mtp_loss(modules: nn.ModuleList, h_BSD: torch.Tensor, targets_BS: torch.Tens
         n = S - k  # positions with a target t+1+k inside the sequence
         tok_BS, tgt_BS = targets_BS[:, k - 1:k - 1 + n], targets_BS[:, k:k + n]  # tokens t+k, t+1+k
         real_BS = (tok_BS != IGNORE_INDEX) & (tgt_BS != IGNORE_INDEX)
-        out = module(h[:, :n], embed(tok_BS.clamp_min(0)), cos_SF[:n], sin_SF[:n])
+        ids_BS = tok_BS.clamp_min(0)  # a padded input is embedded (and hash-routed) as id 0
+        out = module(h[:, :n], embed(ids_BS), cos_SF[:n], sin_SF[:n], ids_BS)
         h = out.x
         if out.moe is not None:
             moe.append(out.moe)
