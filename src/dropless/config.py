@@ -52,6 +52,8 @@ from .parallel_config import EP_MODES, ON_OVERFLOW, ParallelConfig  # noqa: F401
 
 SCHEDULES = ("cosine", "wsd", "constant")
 TOKENIZERS = ("byte", "hf")
+LOSS_ON = ("auto", "all", "assistant")
+OVERLONG = ("refuse", "truncate")
 DTYPES = ("auto", "bf16", "fp32")  # "auto": bf16 on CUDA and AMX CPUs, else fp32 (device.py)
 DEVICES = ("auto", "cpu", "cuda")  # "auto": CUDA when present
 OPTIMIZERS = ("adamw", "adamw_bf16", "muon")
@@ -317,6 +319,13 @@ class DataConfig:
     val_fraction: float = 0.05
     max_bytes: int = 0  # cap on corpus bytes (0 = all)
     replay_routing: str = ""  # a routing record to train on with its expert ids (data/replay.py)
+    prepared: str = ""  # a folder written by `dropless prepare-data` (instead of sources; memory-mapped)
+    # attention and rotary positions stay inside each document of a packed window, and a target in
+    # another document takes no loss (data/windows.py); None: on for chat data, off for text
+    document_mask: Optional[bool] = None
+    loss_on: str = "auto"  # "all" tokens, "assistant" replies only (chat data), "auto": assistant for chat
+    overlong: str = "refuse"  # a chat example longer than train.seq_len + 1: "refuse" or "truncate"
+    chat_field: str = "messages"  # JSONL field holding a conversation (a .jsonl with it is chat data)
 
     def __post_init__(self) -> None:
         _choice("data.tokenizer", self.tokenizer, TOKENIZERS)
@@ -328,6 +337,16 @@ class DataConfig:
             _fail("data.max_bytes", self.max_bytes, "must be >= 0")
         if isinstance(self.sources, str):
             self.sources = [self.sources]
+        _choice("data.loss_on", self.loss_on, LOSS_ON)
+        _choice("data.overlong", self.overlong, OVERLONG)
+        if self.prepared and self.sources:
+            _fail("data.prepared", self.prepared, f"and data.sources={self.sources} both set: a prepared "
+                  "folder is the whole corpus (prepare the sources into it)")
+        if self.prepared and self.max_bytes:
+            _fail("data.max_bytes", self.max_bytes, "caps the sources read in memory, not a prepared folder")
+        if self.replay_routing and (self.document_mask or self.loss_on == "assistant"):
+            _fail("data.replay_routing", self.replay_routing, "trains on a record's own sequences: "
+                  "data.document_mask and data.loss_on=assistant do not apply to it")
 
 
 @dataclass

@@ -13,17 +13,19 @@ import torch
 
 from ..config import RunConfig
 from ..model import MoEModel
-from ..data.batches import eval_batches, load_splits
+from ..data.splits import load_runs, split_windows
 from ..data.tokenizer import load_tokenizer
+from ..data.windows import IGNORE_INDEX, Windows
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 
-def val_tokens(cfg: RunConfig) -> torch.Tensor:
-    """The run's validation split, tokenized as the trainer did."""
+def val_windows(cfg: RunConfig, seq_len: int | None = None) -> Windows:
+    """The run's validation windows (of `seq_len` tokens, else train.seq_len), read, masked and
+    drawn as the trainer does (data/splits.py)."""
     tok = load_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
-    return load_splits(cfg.data.sources or None, tok, val_fraction=cfg.data.val_fraction,
-                       max_bytes=cfg.data.max_bytes or None, text_field=cfg.data.text_field)[1]
+    S = seq_len or cfg.train.seq_len
+    return split_windows(cfg.data, load_runs(cfg.data, tok, S), S)[1]
 
 
 def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
@@ -35,22 +37,22 @@ def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextMana
 
 
 @torch.no_grad()
-def val_loss(model: MoEModel, cfg: RunConfig, tokens: torch.Tensor | None = None, dtype: str = "fp32",
+def val_loss(model: MoEModel, cfg: RunConfig, windows: Windows | None = None, dtype: str = "fp32",
              max_batches: int | None = None) -> float:
-    """Mean cross-entropy per token over the run's validation windows (`train.eval_batches` batches
-    unless `max_batches`), as `Trainer.evaluate` computes it."""
+    """Mean cross-entropy per target that takes loss over the run's validation windows
+    (`train.eval_batches` batches unless `max_batches`), as `Trainer.evaluate` computes it."""
     t = cfg.train
     device = model.embed.weight.device
-    tokens = val_tokens(cfg) if tokens is None else tokens
+    windows = val_windows(cfg) if windows is None else windows
     was_training = model.training
     model.eval()
     sums = torch.zeros(2, dtype=torch.float64, device=device)
-    for x, y in eval_batches(tokens, t.batch_size, t.seq_len, max_batches or t.eval_batches,
-                             device=device):
+    for w in windows.evaluation(t.batch_size, max_batches or t.eval_batches, device=device):
         with autocast(device, dtype):
-            out = model(x, y)
-        sums[0] += out.ce_loss.double() * x.numel()
-        sums[1] += x.numel()
+            out = model(w.x_BS, w.y_BS, segments_BS=w.segments_BS)
+        n = (w.y_BS != IGNORE_INDEX).sum().double()
+        sums[0] += out.ce_loss.double() * n
+        sums[1] += n
     model.train(was_training)
     total, n = sums.tolist()
     return total / max(n, 1)

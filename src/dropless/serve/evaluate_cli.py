@@ -30,7 +30,8 @@ from ..expert_slots import ExpertSlots
 from ..layers.router import RoutingDecision
 from ..model import MoEModel
 from ..device import resolve_device
-from .evaluate import DTYPES, val_loss, val_tokens
+from ..data.windows import Windows
+from .evaluate import DTYPES, val_loss, val_windows
 from ..runs.load import load_model, run_config
 from .serving import add_serving_args, normalises, serving_map, serving_top_k, weight_denominator
 
@@ -63,7 +64,7 @@ def describe(model_cfg: ModelConfig, served: ModelConfig, setting: Setting) -> d
 
 
 @torch.no_grad()
-def evaluate(model: MoEModel, cfg: RunConfig, tokens: torch.Tensor, dtype: str, max_batches: int | None
+def evaluate(model: MoEModel, cfg: RunConfig, windows: Windows, dtype: str, max_batches: int | None
              ) -> tuple[float, float, int]:
     """(validation loss, mean over tokens and MoE layers of the sum of the run experts' combine
     weights, tokens evaluated)."""
@@ -76,7 +77,7 @@ def evaluate(model: MoEModel, cfg: RunConfig, tokens: torch.Tensor, dtype: str, 
 
     hooks = [layer.router.register_forward_hook(keep) for layer in model.moe_layers()]
     try:
-        loss = val_loss(model, cfg, tokens, dtype=dtype, max_batches=max_batches)
+        loss = val_loss(model, cfg, windows, dtype=dtype, max_batches=max_batches)
     finally:
         for h in hooks:
             h.remove()
@@ -139,7 +140,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fn = serving_map(k1, k2, renorm)
         served_cfgs.append(trained if fn is None else serving_top_k(trained, k1, k2, renorm))
     device = resolve_device(args.device)[0]
-    tokens = val_tokens(cfg)
+    windows = val_windows(cfg)
     rows: list[dict[str, Any]] = []
     seen: dict[str, dict[str, Any]] = {}
     bar = tqdm(list(zip(settings, served_cfgs)), desc="evaluate", file=sys.stderr,
@@ -152,7 +153,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 seen[key]["names"].append(row["renorm"])
             continue
         model, run_cfg = load_model(args.run_dir, device, model_cfg=lambda _m, s=served: s)
-        loss, wsum, n_tokens = evaluate(model, run_cfg, tokens, args.dtype, args.max_batches)
+        loss, wsum, n_tokens = evaluate(model, run_cfg, windows, args.dtype, args.max_batches)
         row.update(names=[row["renorm"]], val_loss=loss, weight_sum=wsum, tokens=n_tokens)
         seen[key] = row
         rows.append(row)

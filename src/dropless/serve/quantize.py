@@ -36,9 +36,9 @@ from .. import atomic
 from ..config import RunConfig
 from ..layers.packed_experts import PACKED_FORMATS, check_format
 from ..model import MoEModel
-from ..data.batches import eval_batches
+from ..data.windows import Windows
 from ..runs import packed
-from .evaluate import val_loss, val_tokens
+from .evaluate import val_loss, val_windows
 from ..runs.load import load_model, run_config
 
 BATCH_SIZES = (1, 4, 16)
@@ -60,12 +60,12 @@ def _as_bf16(model: MoEModel) -> dict[str, int]:
     return {"total": sum(seen_all.values()), "experts": sum(seen_exp.values())}
 
 
-def distinct_experts(model: MoEModel, cfg: RunConfig, tokens: torch.Tensor) -> dict[int, list[float]]:
+def distinct_experts(model: MoEModel, cfg: RunConfig, windows: Windows) -> dict[int, list[float]]:
     """Per batch size B, per MoE layer: mean number of distinct routed experts chosen by B validation
     windows' tokens at the same position (what one decode step of B sequences reads: an identity
     expert reads no weights)."""
     slots = model.expert_slots()
-    x, _ = next(iter(eval_batches(tokens, cfg.train.batch_size, cfg.train.seq_len, 1)))
+    x = next(iter(windows.evaluation(cfg.train.batch_size, 1))).x_BS
     with torch.no_grad():
         out = model(x)
     n, S = x.shape
@@ -91,10 +91,10 @@ def distinct_experts(model: MoEModel, cfg: RunConfig, tokens: torch.Tensor) -> d
 def report(run_dir: str | Path, variants: dict[str, MoEModel], original: MoEModel, cfg: RunConfig,
            max_batches: int | None = None) -> dict[str, Any]:
     """The figures of the module docstring for `original` and each packed model in `variants`."""
-    tokens = val_tokens(cfg)
+    windows = val_windows(cfg)
     slots = original.expert_slots()
     E, N, K, L = slots.routed, slots.selectable, cfg.model.moe.top_k, len(original.moe_layers())
-    distinct = distinct_experts(original, cfg, tokens)
+    distinct = distinct_experts(original, cfg, windows)
     uniform = {B: E * (1 - (1 - K / N) ** B) for B in distinct}
     rows = []
     models = {"original": original, **variants}
@@ -106,7 +106,7 @@ def report(run_dir: str | Path, variants: dict[str, MoEModel], original: MoEMode
                "expert_bytes": mem["experts"], "expert_share": mem["experts"] / mem["total"],
                "memory_bytes_rest_bf16": bf16["total"], "bytes_per_expert": per_expert,
                "bf16_bytes_per_expert": bf16["experts"] // (L * E) if L else 0,
-               "val_loss_bf16": val_loss(model, cfg, tokens, "bf16", max_batches)}
+               "val_loss_bf16": val_loss(model, cfg, windows, "bf16", max_batches)}
         for rest, total, pe in (("stored", mem, row["bytes_per_expert"]),
                                 ("bf16", bf16, row["bf16_bytes_per_expert"])):
             non_expert = total["total"] - total["experts"]

@@ -32,11 +32,10 @@ from pathlib import Path
 import torch
 
 from ..model import MoEModel
-from ..data.batches import eval_batches
 from ..device import resolve_device
 from ..runs.sinks import Progress
 from ..data.tokenizer import load_tokenizer
-from .evaluate import DTYPES, autocast, val_tokens
+from .evaluate import DTYPES, autocast, val_windows
 from ..runs.load import load_model, run_config
 from ..data.routing_record import MAGIC, RoutingRecord
 
@@ -83,7 +82,7 @@ def read_sequences(args: argparse.Namespace, cfg) -> list[torch.Tensor]:
         if args.val < 1:
             raise ValueError(f"--val {args.val}: must be >= 1")
         S = args.seq_len or cfg.train.seq_len
-        windows = [x[i] for x, _ in eval_batches(val_tokens(cfg), args.val, S, 1) for i in range(len(x))]
+        windows = [w.x_BS[i] for w in val_windows(cfg, S).evaluation(args.val, 1) for i in range(len(w.x_BS))]
         if len(windows) < args.val:
             raise ValueError(f"--val {args.val}: the validation split holds only {len(windows)} windows "
                              f"of {S} tokens")

@@ -6,6 +6,10 @@ batches (data/batches.py; a record's own order, data/replay.py). Under W process
 micro-batch m is the micro-batch m * W + r that one process with W times the accumulation would
 draw: W ranks with grad_accum A follow one process with grad_accum W*A.
 
+The windows come from data/windows.py over the runs data/splits.py reads (the embedded corpus, user
+text, chat JSONL or a prepared folder). Chat data is drawn in windows that start at an example, with
+document masking and the loss on assistant replies unless the data section says otherwise.
+
 `load_data` runs before the model exists (a bad data path fails before any weights are built);
 `with_replay` follows the model, whose expert slots bound a record's ids.
 """
@@ -18,49 +22,58 @@ from dataclasses import dataclass
 import torch
 
 from ..config import RunConfig, TrainConfig
-from ..data.batches import eval_batches, get_batch, load_splits
 from ..data.replay import ReplayData
+from ..data.splits import load_runs, split_windows
 from ..data.tokenizer import Tokenizer, load_tokenizer
+from ..data.windows import Window, Windows
 from ..model import MoEModel
 from .layout import Layout
 
-Batch = tuple[torch.Tensor, torch.Tensor, list[torch.Tensor] | None]  # x_BS, y_BS, replayed ids
+
+
+@dataclass(frozen=True)
+class Batch:
+    x_BS: torch.Tensor
+    y_BS: torch.Tensor  # IGNORE_INDEX where a target takes no loss
+    replay_ids: list[torch.Tensor] | None = None  # per MoE layer, data.replay_routing
+    segments_BS: torch.Tensor | None = None  # each input's document (data.document_mask)
+
+    def model_kwargs(self) -> dict:
+        return {"replay_ids": self.replay_ids, "segments_BS": self.segments_BS}
 
 
 @dataclass
 class DataSource:
     train: TrainConfig
     tokenizer: Tokenizer
-    train_tokens: torch.Tensor
-    val_tokens: torch.Tensor
+    train_windows: Windows
+    val_windows: Windows
     device: torch.device
     world_size: int
     rank: int
     replay: ReplayData | None = None
+    source: str = ""
 
     def micro_index(self, micro: int) -> int:
         """This rank's micro-batch `micro` is the one-process micro-batch micro * W + rank."""
         return micro * self.world_size + self.rank
 
     def batch(self, step: int, micro: int) -> Batch:
-        """(inputs, targets, replayed ids per MoE layer or None) of this rank's micro-batch."""
+        """This rank's micro-batch `micro` of `step`."""
         if self.replay is not None:
-            return self.replay.batch(step, self.micro_index(micro))
+            return Batch(*self.replay.batch(step, self.micro_index(micro)))
         t = self.train
-        x, y = get_batch(self.train_tokens, step, self.micro_index(micro), t.batch_size, t.seq_len,
-                         t.seed, device=self.device)
-        return x, y, None
+        w = self.train_windows.draw(step, self.micro_index(micro), t.batch_size, t.seed, device=self.device)
+        return Batch(w.x_BS, w.y_BS, None, w.segments_BS)
 
-    def val_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The validation windows of an evaluation (the same every time: data/batches.py)."""
+    def val_batches(self) -> list[Window]:
+        """The validation windows of an evaluation (the same every time: data/windows.py)."""
         t = self.train
-        return list(eval_batches(self.val_tokens, t.batch_size, t.seq_len, t.eval_batches, device=self.device))
+        return list(self.val_windows.evaluation(t.batch_size, t.eval_batches, device=self.device))
 
     def probe(self) -> torch.Tensor:
-        """The routing monitor's fixed probe batch: the first validation windows (at most 4)."""
-        t = self.train
-        return next(iter(eval_batches(self.val_tokens, min(4, t.batch_size), t.seq_len, 1,
-                                      device=self.device)))[0]
+        """The routing monitor's fixed probe batch: the first validation windows' inputs (at most 4)."""
+        return next(iter(self.val_windows.evaluation(min(4, self.train.batch_size), 1, device=self.device))).x_BS
 
     def tokens_per_step(self) -> float:
         """Tokens of one optimizer step over all ranks (a replayed record's mean sequence length)."""
@@ -69,8 +82,8 @@ class DataSource:
         return t.batch_size * seq_tokens * t.grad_accum * self.world_size
 
     def describe(self) -> str:
-        return (f"train {self.train_tokens.numel() / 1e6:.1f}M tokens, "
-                f"val {self.val_tokens.numel() / 1e6:.2f}M")
+        return (f"{self.source}: train {self.train_windows.num_tokens / 1e6:.1f}M tokens, "
+                f"val {self.val_windows.num_tokens / 1e6:.2f}M")
 
 
 def load_data(cfg: RunConfig, layout: Layout) -> DataSource:
@@ -80,10 +93,10 @@ def load_data(cfg: RunConfig, layout: Layout) -> DataSource:
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"model.vocab_size={cfg.model.vocab_size}: smaller than the tokenizer's "
                          f"vocabulary ({tokenizer.vocab_size})")
-    train_tokens, val_tokens = load_splits(d.sources or None, tokenizer, val_fraction=d.val_fraction,
-                                           max_bytes=d.max_bytes or None, text_field=d.text_field)
-    return DataSource(cfg.train, tokenizer, train_tokens, val_tokens, layout.device, layout.world_size,
-                      layout.rank)
+    splits = load_runs(d, tokenizer, cfg.train.seq_len)
+    train, val = split_windows(d, splits, cfg.train.seq_len)
+    return DataSource(cfg.train, tokenizer, train, val, layout.device, layout.world_size, layout.rank,
+                      source=splits.source)
 
 
 def with_replay(data: DataSource, cfg: RunConfig, model: MoEModel) -> DataSource:

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from ..config import RunConfig, save_config, to_dict
+from ..data.windows import IGNORE_INDEX
 from ..distributed import parallelize as par
 from ..distributed.materialize import Fill
 from ..distributed.watch import watch_step
@@ -165,12 +166,13 @@ class Trainer:
         sums = torch.zeros(2, dtype=torch.float64, device=lay.device)  # sum of ce * tokens, tokens
         with par.exact_dispatch(self.model):
             for i in range(rounds):
-                x, y = mine[i] if i < len(mine) else batches[0]
+                w = mine[i] if i < len(mine) else batches[0]
                 with lay.placement.autocast():
-                    out = self.model(x, y)
+                    out = self.model(w.x_BS, w.y_BS, segments_BS=w.segments_BS)
                 if i < len(mine):  # on the device: one host read after the loop, not one per batch
-                    sums[0] += out.ce_loss.detach().double() * x.numel()
-                    sums[1] += x.numel()
+                    n = (w.y_BS != IGNORE_INDEX).sum().double()  # targets that take loss
+                    sums[0] += out.ce_loss.detach().double() * n
+                    sums[1] += n
         if lay.distributed:
             self.health.reduce(sums, "sum")
         self.model.train()
@@ -244,9 +246,11 @@ class Trainer:
 
     def _log(self, step: int, stats: StepLosses, grad_norm: torch.Tensor, sinks: Sinks) -> None:
         """A log step's row: losses, routing health, throughput and the steps skipped since the last."""
+        n_steps = step + 1 - sinks.last_step
         tps, step_ms = sinks.throughput(step)
         row = self.log_row(step, stats, grad_norm, tps)
         row["step_ms"] = step_ms
+        row["data_ms"] = self.micro.take_data_ms(n_steps)  # drawing the batches, part of step_ms
         self.nonfinite.read()
         row["nonfinite_steps"] = self.nonfinite.take()  # skipped since the last row
         self.run_dir.write(row)

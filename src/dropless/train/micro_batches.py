@@ -17,6 +17,7 @@ Legend: L MoE layers, E selectable experts.
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,7 +25,7 @@ import torch
 
 from ..config import RunConfig
 from ..model import ModelOutput, MoEModel
-from .data_source import DataSource
+from .data_source import Batch, DataSource
 from .ep_replicas_train import HotReplicas
 from .health import TrainHealth, global_aux_terms
 from .layout import Layout
@@ -52,6 +53,18 @@ class MicroBatches:
     world_size: int
     replicas: HotReplicas | None = None
     overflow: OverflowGuard | None = None
+    data_s: float = 0.0  # host seconds spent drawing micro-batches since the last log row
+
+    def _batch(self, step: int, micro: int) -> Batch:
+        t0 = time.perf_counter()  # the draw is host work (a CPU copy, then an async move): no sync
+        b = self.data.batch(step, micro)
+        self.data_s += time.perf_counter() - t0
+        return b
+
+    def take_data_ms(self, n_steps: int) -> float:
+        """Mean milliseconds per step spent drawing batches since the last call."""
+        ms, self.data_s = 1e3 * self.data_s / max(n_steps, 1), 0.0
+        return ms
 
     def run(self, step: int, log_step: bool) -> tuple[StepLosses, torch.Tensor, torch.Tensor]:
         """The step's micro-batches, forward and backward; returns the mean losses and this rank's
@@ -63,10 +76,10 @@ class MicroBatches:
         sums = StepLosses(zero(), zero(), zero(), zero() if self.cfg.model.mtp_depth else None)
         dropped, demand = zero(torch.int64), zero(torch.int64)
         for micro in range(A):
-            x, y, ids = self.data.batch(step, micro)
+            b = self._batch(step, micro)
             with self.autocast():
-                out = self.model(x, y, replay_ids=ids)
-            loss, moe_loss = self._with_global_aux(out, pre_counts_LE, x.numel())
+                out = self.model(b.x_BS, b.y_BS, **b.model_kwargs())
+            loss, moe_loss = self._with_global_aux(out, pre_counts_LE, b.x_BS.numel())
             (loss / A).backward()
             self.health.add_micro(out)
             if self.replicas is not None:
@@ -107,9 +120,9 @@ class MicroBatches:
         counts_LE = torch.zeros(L, E, device=self.device)
         with torch.no_grad():
             for micro in range(A):
-                x, _, ids = self.data.batch(step, micro)
+                b = self._batch(step, micro)
                 with self.autocast():
-                    out = self.model(x, replay_ids=ids)
+                    out = self.model(b.x_BS, **b.model_kwargs())
                 counts_LE += torch.stack([s.tokens_per_expert_E.float() for s in out.stats])
         self.health.reduce(counts_LE, "sum")
         return counts_LE
