@@ -51,7 +51,7 @@ CONVERSATION = [
 
 
 def tokenizer_folder(folder: Path, template: str | None, jinja_file: bool = False) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     folder.mkdir(parents=True)
     tok = Tokenizer(models.BPE())
@@ -60,7 +60,11 @@ def tokenizer_folder(folder: Path, template: str | None, jinja_file: bool = Fals
     trainer = trainers.BpeTrainer(vocab_size=320, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator([json.dumps(CONVERSATION), "system user assistant tool"] * 20, trainer)
-    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>", "<s>"])
+    # a BOS post-processor, as Llama's tokenizer.json has: encoding with add_special_tokens=True would
+    # put a <s> the template never wrote in front of every render
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                       special_tokens=[("<s>", tok.token_to_id("<s>"))])
     tok.save(str(folder / "tokenizer.json"))
     config = {"eos_token": "<|im_end|>", "tokenizer_class": "PreTrainedTokenizerFast"}
     if template is not None and jinja_file:
@@ -107,6 +111,8 @@ def test_mask_is_each_reply_and_its_end_of_turn(chatml: ChatTemplate, folders: d
     text = hf.decode(ids.tolist())
     assert text == chatml._tok.apply_chat_template(CONVERSATION, tokenize=False)
     assert ids.tolist() == hf.encode(text)
+    out = chatml._tok.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True)
+    assert ids.tolist() == out["input_ids"]
     assert hf.decode(ids[loss == 0].tolist()).count("<|im_start|>assistant\n") == 2
 
 

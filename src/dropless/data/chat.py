@@ -116,8 +116,10 @@ class ChatTemplate:
             raise ValueError(f"{where}: the chat template refuses this conversation "
                              f"({type(e).__name__}: {e})") from e
 
-    def _encode(self, text: str) -> list[int]:
-        return list(self._tok(text, add_special_tokens=False)["input_ids"])
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        # What apply_chat_template(tokenize=True) does (the fast tokenizer's backend, no special tokens
+        # added), as one batch: the Rust side encodes a batch on several threads.
+        return [e.ids for e in self._tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
 
     def _check(self, messages: Any, where: str) -> None:
         if not isinstance(messages, list) or not messages:
@@ -159,31 +161,30 @@ class ChatTemplate:
 
     def _prefix_mask(self, messages: list[dict], where: str) -> tuple[list[int], np.ndarray]:
         full = self._text(messages, where, generation_prompt=False)
-        ids = self._encode(full)
-        loss = np.zeros(len(ids), dtype=np.uint8)
+        parts: list[tuple[int, str, str]] = []  # (assistant message index, "up to" | "through", text)
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
             if i == 0:
                 raise ValueError(f"{where}: message 0 is an assistant message; its reply has no prompt "
                                  "to follow, so where it starts is unknown")
-            before = self._text(messages[:i], where, generation_prompt=True)
-            through = self._text(messages[:i + 1], where, generation_prompt=False)
-            bounds = []
-            for what, text in (("up to", before), ("through", through)):
-                if not full.startswith(text):
-                    raise ValueError(
-                        f"{where}: the chat template rewrites earlier turns: the conversation rendered "
-                        f"{what} assistant message {i} is not a prefix of the whole conversation's "
-                        "text, so the reply's tokens cannot be told apart")
-                part = self._encode(text)
-                if part != ids[:len(part)]:
-                    raise ValueError(
-                        f"{where}: the tokenizer merges tokens across the boundary {what} assistant "
-                        f"message {i}: that part's tokens are not a prefix of the whole conversation's")
-                bounds.append(len(part))
-            start, end = bounds
-            loss[start:self._trim(ids, start, end)] = 1
+            parts += [(i, "up to", self._text(messages[:i], where, generation_prompt=True)),
+                      (i, "through", self._text(messages[:i + 1], where, generation_prompt=False))]
+        for i, what, text in parts:
+            if not full.startswith(text):
+                raise ValueError(
+                    f"{where}: the chat template rewrites earlier turns: the conversation rendered "
+                    f"{what} assistant message {i} is not a prefix of the whole conversation's text, "
+                    "so the reply's tokens cannot be told apart")
+        ids, *encoded = self._encode([full] + [text for _, _, text in parts])
+        for (i, what, _), part in zip(parts, encoded):
+            if part != ids[:len(part)]:
+                raise ValueError(
+                    f"{where}: the tokenizer merges tokens across the boundary {what} assistant "
+                    f"message {i}: that part's tokens are not a prefix of the whole conversation's")
+        loss = np.zeros(len(ids), dtype=np.uint8)
+        for start, end in zip(encoded[0::2], encoded[1::2]):
+            loss[len(start):self._trim(ids, len(start), len(end))] = 1
         return ids, loss
 
     def render(self, messages: list[dict], where: str) -> tuple[np.ndarray, np.ndarray]:
