@@ -43,6 +43,7 @@ BENCHMARKS = {
     "a2a": "dropless.bench.a2a",
     "train": "dropless.bench.train_step",
     "load": "dropless.bench.load",
+    "prepare-data": "dropless.bench.prepare_data",
 }
 
 
