@@ -23,6 +23,7 @@ COMMANDS = {
     "import-hf": ("dropless.hf.import_cli", "a Hugging Face Qwen3-MoE / Mixtral / DeepSeek-V3 checkpoint as a run"),
     "export-hf": ("dropless.hf.export_hf", "a run as a Hugging Face checkpoint (qwen3_moe | mixtral | deepseek_v3)"),
     "upcycle": ("dropless.hf.upcycle", "a dense Hugging Face Qwen3 / Llama checkpoint as an MoE run"),
+    "prepare-data": ("dropless.data.prepare", "tokenise a corpus once into memory-mapped shards (data.prepared)"),
     "check-matrix": ("dropless.check.matrix", "every pair of knob values through every command (CI's matrix)"),
 }
 # one pass over a checkpoint, each large tensor allocated once: glibc's default (a large block goes back
@@ -42,6 +43,7 @@ BENCHMARKS = {
     "a2a": "dropless.bench.a2a",
     "train": "dropless.bench.train_step",
     "load": "dropless.bench.load",
+    "prepare-data": "dropless.bench.prepare_data",
 }
 
 

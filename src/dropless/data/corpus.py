@@ -23,7 +23,11 @@ Design notes
   `TEXT_SUFFIXES`, skipping hidden files and folders (`.git`, ...). A suffix allowlist, rather than
   "all files", keeps binaries, images and lock files out of a corpus by default; name such a file
   explicitly to include it. Document names are relative to the source's parent folder, so moving a
-  folder does not reshuffle its split.
+  folder does not reshuffle its split. Parquet and Arrow files (`.parquet`, `.arrow`; named, never
+  found by a folder walk) are read through `datasets` (`tables.py`), a document per row named
+  `name:row` (0-based).
+- `source_files` and `jsonl_documents` are the pieces `prepare.py` shares: it cuts big JSONL files
+  into byte ranges of whole lines and reads each with the same parser, so names and errors agree.
 """
 
 from __future__ import annotations
@@ -32,9 +36,13 @@ import hashlib
 import json
 import os
 import sysconfig
-from collections.abc import Iterable, Sequence
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
+
+from . import tables
+from .tables import TABLE_SUFFIXES
 
 __all__ = [
     "Document",
@@ -44,6 +52,11 @@ __all__ = [
     "stdlib_files",
     "stdlib_documents",
     "read_documents",
+    "source_files",
+    "SourceFile",
+    "file_kind",
+    "file_documents",
+    "jsonl_documents",
     "is_validation",
     "split_documents",
 ]
@@ -171,10 +184,20 @@ def _read_bytes(path: Path) -> bytes:
         raise ValueError(f"cannot read corpus file {str(path)!r}: {e}") from e
 
 
-def _jsonl_documents(path: Path, name: str, text_field: str) -> list[Document]:
-    docs: list[Document] = []
-    raw = _read_bytes(path)
-    for lineno, line in enumerate(raw.splitlines(), start=1):
+def jsonl_documents(
+    path: Path, name: str, text_field: str, start: int = 0, stop: int | None = None, first_line: int = 1
+) -> Iterator[Document]:
+    """The documents of a `.jsonl` file's bytes [start, stop) (whole lines; `first_line` is the number
+    of the line at `start`), named `name:lineno`. Lines end at b"\\n" only, as JSON Lines defines
+    them (a b"\\r" before it is whitespace to the JSON parser), so a byte range cut at a newline
+    numbers its lines as the whole file does."""
+    if start == 0 and stop is None:
+        raw = _read_bytes(path)
+    else:
+        with open(path, "rb") as f:
+            f.seek(start)
+            raw = f.read(-1 if stop is None else stop - start)
+    for lineno, line in enumerate(raw.split(b"\n"), start=first_line):
         if not line.strip():
             continue
         try:
@@ -193,15 +216,32 @@ def _jsonl_documents(path: Path, name: str, text_field: str) -> list[Document]:
                 f"{type(text).__name__}, expected str"
             )
         if text:
-            docs.append(Document(f"{name}:{lineno}", text.encode("utf-8", "surrogateescape")))
-    return docs
+            yield Document(f"{name}:{lineno}", text.encode("utf-8", "surrogateescape"))
 
 
-def _file_documents(path: Path, name: str, text_field: str) -> list[Document]:
+class SourceFile(NamedTuple):
+    path: Path
+    name: str  # the document name (or, for JSONL and tables, its prefix)
+    source: int  # index of the source (file or folder) it came from
+
+
+def file_kind(path: Path) -> str:
+    """How a file is read: "jsonl" (a document per line), "table" (Parquet/Arrow: a document per
+    row, through `datasets`), or "text" (the whole file is one document)."""
     if path.suffix == ".jsonl":
-        return _jsonl_documents(path, name, text_field)
-    data = _read_bytes(path)
-    return [Document(name, data)] if data else []
+        return "jsonl"
+    return "table" if path.suffix in TABLE_SUFFIXES else "text"
+
+
+def file_documents(f: SourceFile, text_field: str) -> list[Document]:
+    kind = file_kind(f.path)
+    if kind == "jsonl":
+        return list(jsonl_documents(f.path, f.name, text_field))
+    if kind == "table":
+        with tempfile.TemporaryDirectory() as cache:  # datasets' arrow copy of a parquet file
+            return [Document(*d) for d in tables.table_texts(f.path, f.name, text_field, cache_dir=Path(cache))]
+    data = _read_bytes(f.path)
+    return [Document(f.name, data)] if data else []
 
 
 def _folder_files(folder: Path) -> list[Path]:
@@ -216,29 +256,40 @@ def _folder_files(folder: Path) -> list[Path]:
     return sorted(found)
 
 
+def source_files(sources: Sequence[str | Path]) -> list[SourceFile]:
+    """The files of user sources, in source order then path order, each with its document name
+    (relative to the source's parent folder); FileNotFoundError naming a missing source."""
+    if isinstance(sources, (str, Path)):
+        sources = [sources]  # a lone path is an easy mistake; a str would iterate by character
+    if not sources:
+        raise ValueError("sources is empty; give at least one file or folder")
+    files: list[SourceFile] = []
+    for i, src in enumerate(sources):
+        path = Path(src).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(f"corpus source not found: {str(src)!r}")
+        base = path.parent
+        if path.is_dir():
+            files.extend(SourceFile(f, f.relative_to(base).as_posix(), i) for f in _folder_files(path))
+        else:
+            files.append(SourceFile(path, path.name, i))
+    return files
+
+
 def read_documents(
     sources: Sequence[str | Path],
     *,
     text_field: str = "text",
     max_bytes: int | None = None,
 ) -> list[Document]:
-    """Documents from user files, folders and `.jsonl` files, in source order then path order."""
+    """Documents from user files, folders, `.jsonl` and Parquet/Arrow files, in source order then
+    path order."""
     if isinstance(sources, (str, Path)):
-        sources = [sources]  # a lone path is an easy mistake; a str would iterate by character
-    if not sources:
-        raise ValueError("read_documents: sources is empty; give at least one file or folder")
+        sources = [sources]
     _check_max_bytes(max_bytes)
     docs: list[Document] = []
-    for src in sources:
-        path = Path(src).expanduser()
-        if not path.exists():
-            raise FileNotFoundError(f"corpus source not found: {str(src)!r}")
-        base = path.parent
-        if path.is_dir():
-            for f in _folder_files(path):
-                docs.extend(_file_documents(f, f.relative_to(base).as_posix(), text_field))
-        else:
-            docs.extend(_file_documents(path, path.name, text_field))
+    for f in source_files(sources):
+        docs.extend(file_documents(f, text_field))
     docs = _cap(docs, max_bytes)
     if not docs:
         shown = [str(s) for s in sources]

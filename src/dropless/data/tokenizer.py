@@ -11,14 +11,20 @@ Design notes
   lazily in `_import_tokenizers` (the one place) with an error that says what to install.
 - Both classes expose the same small surface (`vocab_size`, `encode`, `decode`); nothing else in
   the library may depend on more than that, so a new tokenizer only has to provide these three.
+  (`HFTokenizer.encode_batch` is an optional fast path that prepared data uses when present.)
+- `tokenizer_identity` is what prepared token files record and check: the kind, the vocabulary size
+  and, for a `tokenizer.json`, the sha256 of its bytes. Two files with the same vocabulary but other
+  merges, normalisers or added tokens give other ids, so the size alone would not do; the path is
+  left out, so a copied tokenizer still matches.
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any, Protocol
 
-__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "load_tokenizer", "TOKENIZER_KINDS"]
+__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "load_tokenizer", "tokenizer_identity", "TOKENIZER_KINDS"]
 
 TOKENIZER_KINDS = ("byte", "hf")
 
@@ -98,6 +104,12 @@ class HFTokenizer:
         # No BOS/EOS here: documents are joined by the data pipeline, which owns the separator.
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """`[encode(t) for t in texts]`, in one call to the Rust side (threads over the batch)."""
+        # encode_batch_fast (tokenizers >= 0.21) skips the offsets, which nothing here reads
+        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return [e.ids for e in encode(texts, add_special_tokens=False)]
+
     def decode(self, ids: list[int]) -> str:
         return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=False))
 
@@ -116,3 +128,14 @@ def load_tokenizer(kind: str, path: str | None = None) -> ByteTokenizer | HFToke
             )
         return HFTokenizer(path)
     raise ValueError(f"load_tokenizer: unknown kind={kind!r}; expected one of {TOKENIZER_KINDS}")
+
+
+def tokenizer_identity(tokenizer: Any) -> dict[str, Any]:
+    """What decides the ids a tokenizer gives: {"kind": "byte", "vocab_size": 256} or
+    {"kind": "hf", "vocab_size": n, "sha256": sha256 of the tokenizer.json bytes}."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return {"kind": "byte", "vocab_size": 256}
+    if isinstance(tokenizer, HFTokenizer):
+        digest = hashlib.sha256(tokenizer.path.read_bytes()).hexdigest()
+        return {"kind": "hf", "vocab_size": tokenizer.vocab_size, "sha256": digest}
+    raise ValueError(f"tokenizer_identity: unknown tokenizer {tokenizer!r}; expected ByteTokenizer or HFTokenizer")
