@@ -214,8 +214,12 @@ def _fit(ids: np.ndarray, loss: np.ndarray, where: str, max_tokens: int | None,
 
 
 def read_chat(path: str | Path, template: ChatTemplate, *, max_tokens: int | None = None,
-              overlong: str = "refuse", field: str = "messages") -> list[ChatExample]:
-    """Every conversation of a chat `.jsonl`, rendered, in line order; named "<file name>:<line>"."""
+              overlong: str = "refuse", field: str = "messages", start: int = 0, stop: int | None = None,
+              first_line: int = 1) -> list[ChatExample]:
+    """Every conversation of a chat `.jsonl` (or of its bytes [start, stop), whole lines, the first
+    numbered `first_line`: prepare-data's pieces), rendered, in line order; named "<file name>:<line>".
+    Lines end at b"\\n" only, as corpus.jsonl_documents reads them, so pieces number lines as the
+    whole file does."""
     if overlong not in OVERLONG:
         raise ValueError(f"data.overlong={overlong!r}: expected one of {OVERLONG}")
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
@@ -223,11 +227,13 @@ def read_chat(path: str | Path, template: ChatTemplate, *, max_tokens: int | Non
         raise ValueError(f"read_chat: max_tokens must be an int >= 2 or None, got max_tokens={max_tokens!r}")
     p = Path(path).expanduser()
     try:
-        raw = p.read_bytes()
+        with open(p, "rb") as f:
+            f.seek(start)
+            raw = f.read(-1 if stop is None else stop - start)
     except OSError as e:
         raise ValueError(f"cannot read chat file {str(p)!r}: {e}") from e
     out: list[ChatExample] = []
-    for lineno, line in enumerate(raw.splitlines(), start=1):
+    for lineno, line in enumerate(raw.split(b"\n"), start=first_line):
         if not line.strip():
             continue
         where = f"{str(p)!r} line {lineno}"
@@ -243,6 +249,6 @@ def read_chat(path: str | Path, template: ChatTemplate, *, max_tokens: int | Non
         ids, loss = template.render(record[field], where)
         ids, loss = _fit(ids, loss, where, max_tokens, overlong)
         out.append(ChatExample(f"{p.name}:{lineno}", ids, loss))
-    if not out:
+    if not out and start == 0 and stop is None:
         raise ValueError(f"{str(p)!r}: no conversations (every line is blank)")
     return out

@@ -1,7 +1,7 @@
 """`dropless prepare-data`: tokenise a corpus once, offline, into memory-mappable shards.
 
     dropless prepare-data SOURCES... --out DIR [--tokenizer byte|hf:PATH] [--workers N]
-        [--val-fraction 0.05] [--text-field text] [--shard-tokens N]
+        [--val-fraction 0.05] [--text-field text] [--chat-field messages] [--shard-tokens N]
 
 Sources are what `data.sources` takes (corpus.read_documents: files, folders, JSONL) plus Parquet
 and Arrow files; the folder format is in prepared.py, which also reads it.
@@ -57,7 +57,7 @@ __all__ = ["prepare_data", "main", "DEFAULT_SHARD_TOKENS"]
 
 DEFAULT_SHARD_TOKENS = 1 << 27  # 256 MiB of uint16 ids; a unit (~16 MiB of text) rarely reaches it
 _COMPARED = ("format", "version", "tokenizer", "dtype", "val_fraction", "text_field", "separator",
-             "shard_tokens", "unit_bytes", "sources")
+             "shard_tokens", "unit_bytes", "sources", "chat_field", "chat_template")
 
 
 def _sources(sources: Sequence[str | Path], files: list[SourceFile]) -> list[dict[str, Any]]:
@@ -164,12 +164,33 @@ def _finish(out: Path, units: list[Unit], settings: dict[str, Any]) -> dict[str,
     return manifest
 
 
+def _chat_settings(files: list[SourceFile], tokenizer: str, chat_field: str) -> dict[str, Any]:
+    """{"chat_field", "chat_template"} when the sources are chat JSONL (data/chat.py), {} for text;
+    refuses a mix, and chat data without an HF tokenizer that has a chat template."""
+    from .chat import is_chat_jsonl
+
+    chat = {str(f.path): f.path.suffix == ".jsonl" and is_chat_jsonl(f.path, chat_field) for f in files}
+    if not any(chat.values()):
+        return {}
+    if not all(chat.values()):
+        text = [p for p, c in chat.items() if not c][:3]
+        raise ValueError(f"the sources mix chat JSONL (lines with {chat_field!r}) with text ({text}); "
+                         "prepare one kind per folder")
+    if not tokenizer.startswith("hf:"):
+        raise ValueError(f"--tokenizer={tokenizer!r}: chat data is rendered with an HF tokenizer's chat "
+                         "template (--tokenizer hf:PATH, the run's tokenizer)")
+    from .chat import ChatTemplate
+
+    return {"chat_field": chat_field, "chat_template": ChatTemplate(tokenizer[len("hf:"):]).identity}
+
+
 def prepare_data(sources: Sequence[str | Path], out: str | Path, *, tokenizer: str = "byte", workers: int = 1,
                  val_fraction: float = 0.05, text_field: str = "text",
                  shard_tokens: int = DEFAULT_SHARD_TOKENS, unit_bytes: int = DEFAULT_UNIT_BYTES,
-                 progress: bool = True) -> dict[str, Any]:
+                 progress: bool = True, chat_field: str = "messages") -> dict[str, Any]:
     """Tokenise `sources` into the prepared folder `out` (prepared.py), resuming an unfinished one;
-    returns its manifest. `tokenizer` is "byte" or "hf:PATH"."""
+    returns its manifest. `tokenizer` is "byte" or "hf:PATH". Chat JSONL (lines holding
+    `chat_field`) is rendered with the tokenizer's chat template, with its assistant-token masks."""
     if isinstance(sources, (str, Path)):
         sources = [sources]
     if not isinstance(workers, int) or workers < 1:
@@ -185,7 +206,8 @@ def prepare_data(sources: Sequence[str | Path], out: str | Path, *, tokenizer: s
     settings: dict[str, Any] = {
         "format": FORMAT, "version": VERSION, "tokenizer": identity, "dtype": token_dtype(identity["vocab_size"]),
         "val_fraction": val_fraction, "text_field": text_field, "separator": SEPARATOR.decode("utf-8"),
-        "shard_tokens": shard_tokens, "unit_bytes": unit_bytes, "sources": _sources(sources, files)}
+        "shard_tokens": shard_tokens, "unit_bytes": unit_bytes, "sources": _sources(sources, files),
+        **_chat_settings(files, tokenizer, chat_field)}
     if (out / MANIFEST).is_file():
         old = read_manifest(out)
         diffs = _differences(old, {**settings, "units_sha256": old.get("units_sha256")})
@@ -194,6 +216,8 @@ def prepare_data(sources: Sequence[str | Path], out: str | Path, *, tokenizer: s
         print(f"{str(out)!r} is already prepared with these settings; nothing to do", file=sys.stderr)
         return old
     units = plan_units(files, text_field, unit_bytes)
+    if "chat_field" in settings:  # cut like any JSONL, rendered as conversations
+        units = [u._replace(pieces=tuple(p._replace(kind="chat") for p in u.pieces)) for u in units]
     if not units:
         raise ValueError(f"no text found in {[str(s) for s in sources]} (folders are searched for the "
                          f"suffixes of corpus.TEXT_SUFFIXES; every file found is empty)")
@@ -213,7 +237,8 @@ def prepare_data(sources: Sequence[str | Path], out: str | Path, *, tokenizer: s
     cache = out / ".cache"
     for path in dict.fromkeys(p.path for u in todo for p in u.pieces if p.path.endswith(".parquet")):
         open_table(Path(path), text_field, cache)  # converted once here; workers map the copy
-    job = Job(str(out), tokenizer, settings["dtype"], val_fraction, text_field, shard_tokens, SEPARATOR, str(cache))
+    job = Job(str(out), tokenizer, settings["dtype"], val_fraction, text_field, shard_tokens, SEPARATOR, str(cache),
+              settings.get("chat_field", ""))
     bar = _Progress(sum(u.nbytes for u in units), sum(u.nbytes for u in units) - sum(u.nbytes for u in todo),
                     progress)
     try:
@@ -232,13 +257,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=1, help="processes tokenising units in parallel")
     p.add_argument("--val-fraction", type=float, default=0.05, help="documents held out (by name hash)")
     p.add_argument("--text-field", default="text", help="the JSONL key / table column holding the text")
+    p.add_argument("--chat-field", default="messages",
+                   help="the JSONL key holding a conversation: such files are chat data (loss on replies)")
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="most tokens in a shard")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         manifest = prepare_data(args.sources, args.out, tokenizer=args.tokenizer, workers=args.workers,
                                 val_fraction=args.val_fraction, text_field=args.text_field,
-                                shard_tokens=args.shard_tokens, progress=not args.no_progress)
+                                shard_tokens=args.shard_tokens, progress=not args.no_progress,
+                                chat_field=args.chat_field)
     except (ValueError, FileNotFoundError, ImportError) as err:
         print(f"dropless prepare-data: error: {err}", file=sys.stderr)
         return 2

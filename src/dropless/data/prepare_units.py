@@ -39,7 +39,7 @@ from .prepared import SPLITS, shard_stem
 from .tables import table_texts
 from .tokenizer import ByteTokenizer, load_tokenizer
 
-__all__ = ["Job", "TokenDoc", "unit_documents", "text_token_docs", "UnitWriter", "run_unit", "unit_record_path",
+__all__ = ["Job", "TokenDoc", "unit_documents", "text_token_docs", "chat_token_docs", "UnitWriter", "run_unit", "unit_record_path",
            "unit_stage_dir", "load_spec"]
 
 TokenDoc = tuple[str, np.ndarray, "np.ndarray | None"]  # (name, ids, loss mask or None)
@@ -58,6 +58,7 @@ class Job(NamedTuple):
     shard_tokens: int
     separator: bytes
     cache_dir: str  # datasets' Arrow copies of Parquet files
+    chat_field: str = ""  # chat data: the JSONL field of a conversation (pieces of kind "chat")
 
 
 def load_spec(spec: str) -> Any:
@@ -199,6 +200,18 @@ class UnitWriter:
         return sorted(self.done, key=lambda s: (s["split"], s["files"]["tokens"]["name"]))
 
 
+def chat_token_docs(unit: Unit, job: Job) -> Iterator[TokenDoc]:
+    """(name, ids, assistant mask) per conversation of the unit's chat pieces (data/chat.py), rendered
+    whole: a conversation longer than the run's window is found when a run opens the folder."""
+    from .chat import ChatTemplate, read_chat
+
+    template = ChatTemplate(job.tokenizer[len("hf:"):])
+    for p in unit.pieces:
+        for e in read_chat(p.path, template, field=job.chat_field, start=p.start, stop=p.stop,
+                           first_line=p.first_line):
+            yield e.name, e.ids.astype(job.dtype), e.loss
+
+
 def run_unit(unit: Unit, job: Job) -> dict[str, Any]:
     """Tokenise `unit` into its staging folder and write its done-record; returns the record."""
     out = Path(job.out)
@@ -208,9 +221,13 @@ def run_unit(unit: Unit, job: Job) -> dict[str, Any]:
     stage.mkdir(parents=True)
     tokenizer = load_spec(job.tokenizer)
     writer = UnitWriter(stage, job.dtype, job.val_fraction, job.shard_tokens)
-    docs = unit_documents(unit, job.text_field, Path(job.cache_dir))
-    for name, ids, loss in text_token_docs(docs, tokenizer, job.separator, job.dtype):
-        writer.write(name, ids, loss)
+    if job.chat_field:
+        for name, ids, loss in chat_token_docs(unit, job):
+            writer.write(name, ids, loss)
+    else:
+        docs = unit_documents(unit, job.text_field, Path(job.cache_dir))
+        for name, ids, loss in text_token_docs(docs, tokenizer, job.separator, job.dtype):
+            writer.write(name, ids, loss)
     record = {"unit": unit.index, "source_bytes": unit.nbytes, "shards": writer.close()}
     atomic.fsync_dir(stage)
     atomic.write_text(unit_record_path(out, unit.index), json.dumps(record), fsync=True)

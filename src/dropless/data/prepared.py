@@ -36,13 +36,13 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .tokenizer import tokenizer_identity
+from .windows import TokenRun
 
 __all__ = ["TokenRun", "open_prepared", "read_manifest", "token_dtype", "shard_stem", "file_sha256",
            "FORMAT", "VERSION", "MANIFEST", "SPLITS", "FILE_KINDS"]
@@ -54,15 +54,6 @@ SPLITS = ("train", "val")
 FILE_KINDS = {"tokens": None, "starts": np.int64, "loss": np.uint8}  # None: the manifest's dtype
 _READ_CHUNK = 8 << 20
 _BAR_BYTES = 256 << 20  # verification shows a progress bar above this many bytes
-
-
-@dataclass(frozen=True)
-class TokenRun:
-    """One contiguous piece of a split: one shard, or the whole in-memory split."""
-
-    tokens: np.ndarray  # 1-D ids, any unsigned/signed int dtype; np.memmap (mode "r") for shards
-    starts: np.ndarray  # int64, sorted, starts[0] == 0: each document's first token
-    loss: np.ndarray | None = None  # uint8 per token (1 = may be a loss target), or None
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -166,12 +157,17 @@ def _open_run(folder: Path, shard: dict[str, Any], dtype: np.dtype) -> TokenRun:
     return TokenRun(tokens, starts, loss)
 
 
-def open_prepared(folder: str | Path, tokenizer: Any, *, val_fraction: float,
-                  verify: bool = True) -> tuple[list[TokenRun], list[TokenRun]]:
-    """(train runs, val runs): memory-mapped, checked before returning."""
+def open_prepared(folder: str | Path, tokenizer: Any, *, val_fraction: float, verify: bool = True,
+                  chat_template: dict[str, Any] | None = None) -> tuple[list[TokenRun], list[TokenRun]]:
+    """(train runs, val runs): memory-mapped, checked before returning. `chat_template`: the run's
+    template identity (data/chat.py), which a folder of chat data must have been rendered with."""
     folder = Path(folder)
     manifest = read_manifest(folder)
     _check_settings(folder, manifest, tokenizer, val_fraction)
+    if "chat_template" in manifest and manifest["chat_template"] != chat_template:
+        raise ValueError(f"prepared data {str(folder)!r} holds conversations rendered with another chat "
+                         f"template ({manifest['chat_template']}) than the run's tokenizer has "
+                         f"({chat_template or 'none'}); prepare it again with the run's tokenizer")
     _check_files(folder, manifest, verify)
     dtype = np.dtype(manifest["dtype"])
     runs: dict[str, list[TokenRun]] = {s: [] for s in SPLITS}

@@ -126,10 +126,26 @@ def load_runs(d: DataConfig, tokenizer: Tokenizer, seq_len: int) -> Splits:
         train, val = open_prepared(d.prepared, tokenizer, val_fraction=d.val_fraction,
                                    chat_template=_template_identity(d))
         chat = any(r.loss is not None for r in train)
+        if chat and d.overlong == "refuse":
+            _refuse_overlong(d.prepared, {"train": train, "val": val}, seq_len + 1)
         return Splits(train, val, chat, f"prepared {d.prepared}")
     if _is_chat(d):
         return _chat_splits(d, seq_len)
     return _text_splits(d, tokenizer)
+
+
+def _refuse_overlong(folder: str, splits: dict[str, list[TokenRun]], limit: int) -> None:
+    """A prepared conversation longer than the window, named by split, shard and place (with
+    data.overlong=truncate a window holds its first `limit` tokens)."""
+    for split, runs in splits.items():
+        for k, run in enumerate(runs):
+            lengths = np.diff(np.append(run.starts, len(run.tokens)))
+            if (lengths > limit).any():
+                i = int(np.argmax(lengths > limit))
+                raise ValueError(f"prepared data {folder!r}: conversation {i} of {split} shard {k} has "
+                                 f"{int(lengths[i])} tokens, more than the limit of {limit} "
+                                 "(train.seq_len + 1); set data.overlong=truncate to cut it, or raise "
+                                 "train.seq_len")
 
 
 def _template_identity(d: DataConfig) -> dict | None:
