@@ -44,6 +44,7 @@ BENCHMARKS = {
     "train": "dropless.bench.train_step",
     "load": "dropless.bench.load",
     "prepare-data": "dropless.bench.prepare_data",
+    "data-scale": "dropless.bench.data_scale",
 }
 
 

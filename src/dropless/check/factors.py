@@ -98,6 +98,11 @@ FACTORS: list[tuple[str, dict[str, list[str]]]] = [
                                      "parallel.replicate_hot_experts=1", "parallel.replica_interval=1",
                                      "parallel.overlap_shared=false", "parallel.check_collectives=true"]}),
     ("resume_change", {"lr": [], "optimizer": ["stage.resume_optimizer=true"]}),
+    # data_setup.py makes the files: a prepared folder of the row's corpus; a chat tokenizer and its
+    # conversations (longer windows: a conversation is 20-70 tokens; a longer one is cut)
+    ("data", {"corpus": [], "doc-mask": ["data.document_mask=true"], "prepared": ["stage.data=prepared"],
+              "chat": ["stage.data=chat", "model.vocab_size=320", "model.max_seq_len=96", "train.seq_len=80",
+                       "data.overlong=truncate"]}),
 ]
 
 # Rows each Hugging Face family can express, run after the covering rows: a pairwise row almost never
@@ -123,7 +128,10 @@ LEFT_OUT = {
     "model.recompute shared_experts / full": "shared_experts needs shared experts (a value may not depend on "
                                              "another factor's); full is an alias of layer",
     "model.offload layer": "overlaps every recompute value; the inner scopes cover its hooks",
-    "data.tokenizer hf": "needs a tokenizer.json built for the run (the import stage writes one for the export)",
+    "data.tokenizer hf on text": "the chat value trains with an HF tokenizer; text through it takes the same "
+                                 "window path as bytes (tests/data/)",
+    "data.loss_on, data.chat_field, data.sources, data.text_field": "at their defaults (auto: the assistant "
+        "loss for the chat value, every token for text); tests/data/ covers each",
     "router expert_capacity_factor, threshold_momentum, max_experts_per_token": "strategy parameters, at their "
                                                                                 "defaults",
     "balance z_loss_coeff": "on (its default) in every row",

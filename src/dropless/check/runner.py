@@ -65,7 +65,7 @@ MODULES = {
     "diagnose": "dropless.monitor.report", "record-routing": "dropless.serve.record_routing",
     "routing-mismatch": "dropless.serve.mismatch", "quantize": "dropless.serve.quantize",
     "plan": "dropless.plan.cli", "export-hf": "dropless.hf.export_hf", "import-hf": "dropless.hf.import_cli",
-    "bench generate": "dropless.bench.generate",
+    "bench generate": "dropless.bench.generate", "prepare-data": "dropless.data.prepare",
 }
 
 

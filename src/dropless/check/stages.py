@@ -26,6 +26,7 @@ from ..expert_slots import ExpertSlots
 from ..data.routing_record import RoutingRecord
 from ..runs import checkpoint as ckpt
 from . import greedy, hf_check
+from .data_setup import data_sets
 from .factors import PRESET
 from .runner import Call, Failed, Refused, Skipped, invoke
 
@@ -123,6 +124,8 @@ def finite_json(path: Path, *keys: str) -> None:
 
 
 def train(ctx: Ctx) -> None:
+    base = dict(o.split("=", 1) for o in ctx.sets)
+    ctx.sets = [*ctx.sets, *data_sets(ctx.options.get("data", ""), ctx.root, base, ctx.call)]
     ctx.train(*sets(ctx.sets))
     check_steps(ctx, 2)
 
