@@ -302,3 +302,13 @@ INDUCTOR_TRAINING = 3e-2
 # coefficient moves the factor by 6-15%, a step more or fewer by 30%, the shape rule without its 0.2
 # the displacement by 400%. Tiny matrices (5 x 7) reach 7% from rounding alone and are not tested.
 MUON_VS_TORCH_BF16 = 0.06
+
+# A packed window with document masks against each document run alone (tests/test_doc_mask.py), fp32:
+# the same arithmetic on other batch shapes, as KV_DECODE: the GEMMs run on B*S rows instead of one
+# document's, attention is a masked SDPA over S keys instead of a causal one over the document's,
+# and the MoE rows fall in other expert groups; gradients sum the documents' contributions in one
+# reduction instead of document by document. Measured worst (torch 2.13 CPU, logits up to ~12,
+# gradients up to ~43): logits 5.0e-6, CE / MTP sums 3.1e-5 (sums of ~30 terms of ~3), gradients
+# 2.7e-5, i.e. at most 0.68 of this bound (the MLA + MTP + recompute case). A leak across documents
+# moves them by units (measured at least 6.1 on the test window; the test asks > 1000 atol = 3e-2).
+DOC_MASK = Tol(1e-5, 3e-5)

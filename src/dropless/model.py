@@ -20,7 +20,8 @@ The MoE layers return their aux and z losses; the model adds them to the cross-e
 coefficients from the config, and returns each layer's statistics (device tensors) for the trainer.
 Incremental decoding (serve/generate.py) passes a `KVCache` (layers/kv_cache.py), each token's
 position for the rotary tables, and which tokens are padding; the training call passes none of them
-and runs exactly the code it ran before (causal SDPA over [S, F] tables).
+and runs exactly the code it ran before (causal SDPA over [S, F] tables). A packed window passes
+`segments_BS`: attention within each document, positions from 0 in each (layers/doc_mask.py).
 Activation recompute (`cfg.recompute`, layers/recompute.py) wraps parts of a block in a checkpoint;
 a recomputed MoE layer replays the expert ids its forward chose, so it never re-routes.
 Activation offload (`cfg.offload`, layers/offload.py) runs parts of a block inside saved-tensor
@@ -42,15 +43,15 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .config import ModelConfig
 from .expert_slots import ExpertSlots
-from .layers import init, offload, recompute
+from .layers import doc_mask, init, offload, recompute
 from .layers.attention import Attention
-from .layers.kv_cache import KVCache, LayerKVCache
+from .layers.kv_cache import KVCache, LayerKVCache, padding_mask
 from .layers.mla import LatentAttention
 from .layers.mlp import MLP
 from .layers.moe import MoELayer, MoEOutput, MoEStats
 from .layers.mtp import MTPModule, mtp_loss
 from .layers.norm import RMSNorm
-from .layers.rotary import apply_rotary, rotary_tables
+from .layers.rotary import apply_rotary, rotary_at, rotary_tables
 
 __all__ = ["Attention", "Block", "MoEModel", "ModelOutput", "RMSNorm", "apply_rotary", "rotary_tables"]
 
@@ -90,10 +91,10 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor,
                 replay_ids: torch.Tensor | None = None, token_ids: torch.Tensor | None = None,
-                kv: LayerKVCache | None = None, mask_B1SL: torch.Tensor | None = None) -> BlockOutput:
+                kv: LayerKVCache | None = None, mask_B1SL: doc_mask.Mask = None) -> BlockOutput:
         modes = self.recompute if recompute.active(kv) else frozenset()
         if "layer" in self.offload and recompute.active(kv):
-            with self._offload_scope(cos_SF, sin_SF):
+            with self._offload_scope(cos_SF, sin_SF, mask_B1SL):
                 return self._forward(x, cos_SF, sin_SF, replay_ids, token_ids, kv, mask_B1SL, modes)
         if "layer" in modes:  # the whole block, with the forward's expert ids in the recompute
             return recompute.recomputed_routed(
@@ -101,19 +102,20 @@ class Block(nn.Module):
                 replay_ids, lambda out: out.moe.ids_TK if out.moe is not None else None)
         return self._forward(x, cos_SF, sin_SF, replay_ids, token_ids, kv, mask_B1SL, modes)
 
-    def _offload_scope(self, cos_SF: torch.Tensor, sin_SF: torch.Tensor) -> offload.OffloadScope:
-        # parameters and the rotary tables live for the whole run: left in place (saved by reference)
-        return self.offloader.scope([*self.parameters(), cos_SF, sin_SF])
+    def _offload_scope(self, cos_SF: torch.Tensor, sin_SF: torch.Tensor,
+                       mask: doc_mask.Mask) -> offload.OffloadScope:
+        # parameters, the rotary tables and the mask serve every layer: left in place (saved by reference)
+        return self.offloader.scope([*self.parameters(), cos_SF, sin_SF, *doc_mask.mask_tensors(mask)])
 
     def _forward(self, x: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor,
                  replay_ids: torch.Tensor | None, token_ids: torch.Tensor | None, kv: LayerKVCache | None,
-                 mask_B1SL: torch.Tensor | None, modes: frozenset[str]) -> BlockOutput:
+                 mask_B1SL: doc_mask.Mask, modes: frozenset[str]) -> BlockOutput:
         def part(mode: str, fn: Callable[..., Out], *args: object) -> Out:
             # fn(*args), its activations recomputed in the backward or offloaded when `mode` is listed
             if mode in modes:
                 return recompute.recomputed(fn, *args)
             if mode in self.offload and recompute.active(kv):
-                with self._offload_scope(cos_SF, sin_SF):
+                with self._offload_scope(cos_SF, sin_SF, mask_B1SL):
                     return fn(*args)
             return fn(*args)
 
@@ -256,7 +258,8 @@ class MoEModel(nn.Module):
 
     def forward(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor | None = None,
                 replay_ids: list[torch.Tensor] | None = None, *, positions_BS: torch.Tensor | None = None,
-                cache: KVCache | None = None, valid_BS: torch.Tensor | None = None) -> ModelOutput:
+                cache: KVCache | None = None, valid_BS: torch.Tensor | None = None,
+                segments_BS: torch.Tensor | None = None) -> ModelOutput:
         """`replay_ids`: per MoE layer, expert ids [B, S, K] to use instead of the router's choice.
 
         Incremental decoding (all optional; the training call passes none):
@@ -265,23 +268,25 @@ class MoEModel(nn.Module):
         - `positions_BS`: each token's rotary position (int64; left padding: a prompt's first real
           token is position 0). Default: 0..S-1, or the cache's length onwards. Not checked against
           max_seq_len on the device (a host read): callers check (serve/generate.py does).
-        - `valid_BS`: bool, False at padding tokens, which real tokens then never attend to."""
+        - `valid_BS`: bool, False at padding tokens, which real tokens then never attend to.
+
+        `segments_BS` (packed documents, not with the above): int64 [B, S], non-decreasing along S, equal
+        values = one document; targets stay the caller's, the cross-entropy is 0 (not NaN) with none left."""
         B, S = tokens_BS.shape
+        if segments_BS is not None:  # layers/doc_mask.py
+            doc_mask.check_call(tokens_BS, segments_BS, cache=cache, positions_BS=positions_BS, valid_BS=valid_BS)
         start = cache.length if cache is not None else 0
         if start + S > self.cfg.max_seq_len and positions_BS is None:
             raise ValueError(f"sequence length {start + S} exceeds model.max_seq_len={self.cfg.max_seq_len}")
         x = self.embed(tokens_BS)
-        if positions_BS is None:
-            cos, sin = self.rope_cos[start:start + S], self.rope_sin[start:start + S]
-        else:
-            cos, sin = self.rope_cos[positions_BS].unsqueeze(1), self.rope_sin[positions_BS].unsqueeze(1)
-        mask = None
+        flex = doc_mask.uses_flex(x.device, (self.cfg.head_width, self.cfg.value_width))
+        pos = positions_BS if segments_BS is None else doc_mask.positions_of(segments_BS)
+        cos, sin = rotary_at(self.rope_cos, start, S, pos), rotary_at(self.rope_sin, start, S, pos)
+        mask: doc_mask.Mask = None if segments_BS is None else doc_mask.doc_mask(segments_BS, flex)
         if cache is not None:
             mask = cache.begin(S, valid_BS)
         elif valid_BS is not None:
-            causal_SS = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
-            mask = (causal_SS & valid_BS[:, None, :]) | torch.eye(S, dtype=torch.bool, device=x.device)
-            mask = mask.unsqueeze(1)  # B 1 S S; a padding query sees itself only (layers/kv_cache.py)
+            mask = padding_mask(valid_BS)
         moe: list[MoEOutput] = []
         for i, block in enumerate(self.blocks):
             ids = replay_ids[len(moe)] if (replay_ids is not None and block.is_moe) else None
@@ -295,12 +300,13 @@ class MoEModel(nn.Module):
         ce = loss = mtp = None
         mtp_moe: list[MoEOutput] = []
         if targets_BS is not None:
-            ce = F.cross_entropy(logits.float().view(B * S, -1), targets_BS.reshape(-1))
+            ce_of = F.cross_entropy if segments_BS is None else doc_mask.packed_cross_entropy  # 0, not NaN
+            ce = ce_of(logits.float().view(B * S, -1), targets_BS.reshape(-1))
             loss = ce + moe_loss
-            # training only: evaluation reports the main loss alone, generation never runs MTP
-            plain = cache is None and positions_BS is None and valid_BS is None  # the training call
-            if len(self.mtp) and self.training and plain:
-                mtp, mtp_moe = mtp_loss(self.mtp, x, targets_BS, self.embed, self.head, cos, sin)
+            # the training call only: evaluation reports the main loss alone, generation never runs MTP
+            if len(self.mtp) and self.training and cache is None and positions_BS is None and valid_BS is None:
+                mtp, mtp_moe = mtp_loss(self.mtp, x, tokens_BS, targets_BS, self.embed, self.head, cos, sin,
+                                        segments_BS, flex)
                 loss = loss + self.cfg.mtp_weight * mtp
                 if mtp_moe:  # MoE blocks: their balancing losses, the main layers' coefficients
                     extra = self.balancing_loss(mtp_moe)

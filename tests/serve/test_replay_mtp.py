@@ -1,7 +1,7 @@
-"""Routing replay with multi-token prediction: a record of unequal sequences is right-padded with
-ignored targets, and the MTP modules embed targets as input tokens (layers/mtp.py), so padding must
-be neither embedded as an id nor trained on: each module's loss is the mean over its real (input,
-target) pairs, and a module with none in the batch is left out of the mean over modules."""
+"""Routing replay with multi-token prediction: a record of unequal sequences is right-padded (input
+0, ignored target), and padding must not be trained on (layers/mtp.py): each module's loss is the
+mean over its real (input, target) pairs, and a module with none in the batch is left out of the
+mean over modules."""
 
 from __future__ import annotations
 

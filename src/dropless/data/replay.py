@@ -19,8 +19,8 @@ model is causal and routes each token alone, so padding after a sequence cannot 
 tokens' outputs; it does enter what is averaged over every position of the micro-batch: the
 balancing losses (aux, z, sequence aux), the routing statistics and their counts (round-robin ids
 keep those balanced). A record of equal-length sequences has no padding. With model.mtp_depth D
-the MTP modules embed targets as input tokens: layers/mtp.py embeds a padded one as id 0 and trains
-on real (input, target) pairs only; a batch is padded to at least D + 1 positions, which module D needs.
+the MTP modules embed the input tokens (a padded one is id 0) and train where the target is real
+(layers/mtp.py); a batch is padded to at least D + 1 positions, which module D needs.
 
 Order. Slot j of micro-batch m of step s takes the record's sequence at position
 g = ((s - s0) * A * W + m) * B + j (A = train.grad_accum, W processes, m the one-process micro index

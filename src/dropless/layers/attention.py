@@ -8,10 +8,10 @@ Dh head width, F rotary frequencies (Dh / 2), L keys attended (cached + new).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from .doc_mask import Mask, attend
 from .kv_cache import LayerKVCache
 from .norm import RMSNorm
 from .rotary import apply_rotary
@@ -42,9 +42,10 @@ class Attention(nn.Module):
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def forward(self, x_BSD: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor,
-                kv: LayerKVCache | None = None, mask_B1SL: torch.Tensor | None = None) -> torch.Tensor:
+                kv: LayerKVCache | None = None, mask_B1SL: Mask = None) -> torch.Tensor:
         """`kv`: this layer's cache (the new keys are appended, all cached ones attended);
-        `mask_B1SL`: bool, True = attend (replaces the plain causal mask)."""
+        `mask_B1SL`: bool, True = attend, or a flex BlockMask (replaces the plain causal mask;
+        layers/doc_mask.py)."""
         B, S, _ = x_BSD.shape
         H, Hkv = self.n_heads, self.n_kv_heads
         qkv_BSND = self.qkv(x_BSD).view(B, S, H + 2 * Hkv, self.head_dim)
@@ -62,9 +63,6 @@ class Attention(nn.Module):
                 qk = apply_rotary(torch.cat([q, k], dim=1), cos_SF, sin_SF)
             q, k = qk[:, :H], qk[:, H:]
             k, v = kv.append(k, v)  # -> B Hkv L Dh
-        gqa = Hkv < H  # SDPA repeats each key/value head for its H / Hkv query heads
-        if mask_B1SL is None:
-            y_BHSDh = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            y_BHSDh = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1SL, enable_gqa=gqa)
+        # grouped-query: each key/value head repeated for its H / Hkv query heads
+        y_BHSDh = attend(q, k, v, mask_B1SL, enable_gqa=Hkv < H)
         return self.out(y_BHSDh.transpose(1, 2).reshape(B, S, H * self.head_dim))

@@ -99,3 +99,12 @@ class KVCache:
         self.length = length
         for layer in self.layers:
             layer.length = length
+
+
+def padding_mask(valid_BS: torch.Tensor) -> torch.Tensor:
+    """bool [B, 1, S, S] of a call without a cache: causal, padding keys masked out, and a padding
+    query sees itself only (module note)."""
+    S = valid_BS.shape[1]
+    causal_SS = torch.ones(S, S, dtype=torch.bool, device=valid_BS.device).tril()
+    mask_BSS = (causal_SS & valid_BS[:, None, :]) | torch.eye(S, dtype=torch.bool, device=valid_BS.device)
+    return mask_BSS.unsqueeze(1)

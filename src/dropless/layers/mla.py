@@ -28,10 +28,10 @@ Conventions of transformers' DeepseekV3Attention, which this matches (tests/test
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from .doc_mask import Mask, attend
 from .kv_cache import LayerKVCache
 from .norm import RMSNorm
 from .rotary import apply_rotary, softmax_mscale
@@ -71,8 +71,9 @@ class LatentAttention(nn.Module):
         return self.q_b(self.q_norm(self.q_a(x_BSD)))
 
     def forward(self, x_BSD: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor,
-                kv: LayerKVCache | None = None, mask_B1SL: torch.Tensor | None = None) -> torch.Tensor:
-        """As Attention.forward (layers/attention.py): `kv` this layer's cache, `mask_B1SL` bool, True = attend."""
+                kv: LayerKVCache | None = None, mask_B1SL: Mask = None) -> torch.Tensor:
+        """As Attention.forward (layers/attention.py): `kv` this layer's cache, `mask_B1SL` bool
+        (True = attend) or a flex BlockMask (layers/doc_mask.py)."""
         B, S, _ = x_BSD.shape
         H, Dn, Dr = self.n_heads, self.nope_dim, self.rope_dim
         q_BHSDqk = self._query(x_BSD).view(B, S, H, self.head_dim).transpose(1, 2)
@@ -89,8 +90,5 @@ class LatentAttention(nn.Module):
         v = v_BHSDv
         if kv is not None:
             k, v = kv.append(k, v)  # -> B H L Dqk, B H L Dv
-        if mask_B1SL is None:
-            y_BHSDv = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        else:
-            y_BHSDv = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1SL, scale=self.scale)
+        y_BHSDv = attend(q, k, v, mask_B1SL, scale=self.scale)
         return self.out(y_BHSDv.transpose(1, 2).reshape(B, S, H * self.v_dim))

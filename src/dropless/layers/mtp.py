@@ -12,18 +12,23 @@ the causal chain sequential (not D independent heads):
 
 sharing the model's embedding and LM head (`embed`, `head`: passed in, not owned). The concatenation
 is DeepSeek-V3's order, embedding first (its checkpoints' `eh_proj` [D, 2D] maps onto `proj` as it
-is; hf/deepseek.py). With the training
-call's `targets_BS` (token t+1 at t), token t+k is targets[t+k-1] and token t+1+k is targets[t+k], so
-module k sees the first S_k positions only: the last k have no target inside the sequence. Its block
-runs causal attention over those S_k positions with rotary positions 0..S_k-1 (the main model's).
+is; hf/deepseek.py). Token t+k is the model's input tokens[t+k] (not targets[t+k-1]: a loss-masked
+target is IGNORE_INDEX, not the token) and token t+1+k is targets[t+k], so module k sees the first
+S_k positions only: the last k have no target inside the sequence. Its block runs causal attention
+over those S_k positions with the main model's rotary positions (0..S_k-1 unpacked).
 The model adds lambda * mean_k(loss_k) to its loss; `ce_loss` stays the main prediction's alone.
 
-Padding. A right-padded batch (routing replay, data/replay.py) marks padded targets with
-IGNORE_INDEX, and module k embeds targets as input tokens: a padded one is embedded as id 0 and its
-position trained on by no module (its target is ignored too), so loss_k is the mean over the real
-(input, target) pairs alone, and a module with none in the batch (every sequence shorter than k + 2
-tokens) is left out of the mean over modules rather than counted as 0 or NaN. Without padding this is
-the plain mean over the B * S_k positions and over the D modules.
+Ignored targets. A right-padded batch (routing replay, data/replay.py: input 0, target IGNORE_INDEX)
+or a loss-masked one trains module k where targets[t+k] is real, so loss_k is the mean over those
+positions, and a module with none in the batch (every sequence shorter than k + 2 tokens) is left
+out of the mean over modules rather than counted as 0 or NaN. Without ignored targets this is the
+plain mean over the B * S_k positions and over the D modules.
+
+Packed documents (`segments_BS`, layers/doc_mask.py): module k at t attends within t's document, and
+takes a loss only where token t+k is in that document too (its target targets[t+k] is then the
+document's, or ignored by the data pipeline at the document's end). The positions whose token t+k
+lies in the next document take no loss and are read by no later position of their document
+(causal), so each document's MTP losses are those of the document run alone.
 
 The block. `mtp_block = "dense"`: a dense block (the model's dense MLP width), so the modules add no
 MoE layer and no balancing state. `"moe"` (DeepSeek-V3's layout): an MoE block like the main
@@ -44,7 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-IGNORE_INDEX = -100  # F.cross_entropy's ignore_index: a padded target (data/replay.py)
+from .doc_mask import IGNORE_INDEX, Mask, doc_mask
+
 
 
 class MTPModule(nn.Module):
@@ -57,20 +63,21 @@ class MTPModule(nn.Module):
         self.block = block
 
     def forward(self, h_BSD: torch.Tensor, e_BSD: torch.Tensor, cos_SF: torch.Tensor,
-                sin_SF: torch.Tensor, token_ids_BS: torch.Tensor | None = None) -> Any:
+                sin_SF: torch.Tensor, token_ids_BS: torch.Tensor | None = None, mask: Mask = None) -> Any:
         """The block's output (`.x` [B, S, D]; `.moe`: its MoEOutput, None for a dense block).
         `token_ids_BS`: the ids `e_BSD` embeds, for an MoE block with hash routing (a function of
-        the token the module reads, as in the main blocks)."""
+        the token the module reads, as in the main blocks); `mask`: the attention's (doc_mask.py)."""
         x = self.proj(torch.cat([self.embed_norm(e_BSD), self.hidden_norm(h_BSD)], dim=-1))  # [embed; hidden]
-        return self.block(x, cos_SF, sin_SF, token_ids=token_ids_BS)
+        return self.block(x, cos_SF, sin_SF, token_ids=token_ids_BS, mask_B1SL=mask)
 
 
-def mtp_loss(modules: nn.ModuleList, h_BSD: torch.Tensor, targets_BS: torch.Tensor,
-             embed: nn.Module, head: nn.Module, cos_SF: torch.Tensor,
-             sin_SF: torch.Tensor) -> tuple[torch.Tensor, list[Any]]:
-    """(mean over the D modules of each one's cross-entropy (nats per token), fp32; padding-aware
-    (module note): a module with no real target in the batch is left out of the mean), and the
-    MoEOutput of each MoE block (empty with dense blocks)."""
+def mtp_loss(modules: nn.ModuleList, h_BSD: torch.Tensor, tokens_BS: torch.Tensor, targets_BS: torch.Tensor,
+             embed: nn.Module, head: nn.Module, cos_SF: torch.Tensor, sin_SF: torch.Tensor,
+             segments_BS: torch.Tensor | None = None, flex: bool = False) -> tuple[torch.Tensor, list[Any]]:
+    """(mean over the D modules of each one's cross-entropy (nats per token), fp32; aware of ignored
+    targets (module note): a module with no real target in the batch is left out of the mean), and the
+    MoEOutput of each MoE block (empty with dense blocks). `cos_SF`/`sin_SF`: [S, F] or per token
+    [B, 1, S, F]; `segments_BS`: packed documents (module note), their mask a BlockMask if `flex`."""
     S, D = h_BSD.shape[1], len(modules)
     if S <= D:
         raise ValueError(f"model.mtp_depth={D}: module {D} predicts token t+{D + 1}, so a sequence needs "
@@ -79,10 +86,13 @@ def mtp_loss(modules: nn.ModuleList, h_BSD: torch.Tensor, targets_BS: torch.Tens
     h = h_BSD
     for k, module in enumerate(modules, start=1):
         n = S - k  # positions with a target t+1+k inside the sequence
-        tok_BS, tgt_BS = targets_BS[:, k - 1:k - 1 + n], targets_BS[:, k:k + n]  # tokens t+k, t+1+k
-        real_BS = (tok_BS != IGNORE_INDEX) & (tgt_BS != IGNORE_INDEX)
-        ids_BS = tok_BS.clamp_min(0)  # a padded input is embedded (and hash-routed) as id 0
-        out = module(h[:, :n], embed(ids_BS), cos_SF[:n], sin_SF[:n], ids_BS)
+        ids_BS, tgt_BS = tokens_BS[:, k:k + n], targets_BS[:, k:k + n]  # tokens t+k, t+1+k
+        real_BS = tgt_BS != IGNORE_INDEX
+        mask = None
+        if segments_BS is not None:
+            real_BS = real_BS & (segments_BS[:, :n] == segments_BS[:, k:k + n])
+            mask = doc_mask(segments_BS[:, :n], flex)
+        out = module(h[:, :n], embed(ids_BS), cos_SF[..., :n, :], sin_SF[..., :n, :], ids_BS, mask)
         h = out.x
         if out.moe is not None:
             moe.append(out.moe)

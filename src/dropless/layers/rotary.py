@@ -57,3 +57,10 @@ def apply_rotary(x_BHSDh: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tens
     x1, x2 = x_BHSDh.float().chunk(2, dim=-1)  # rotate pairs (i, i + Dh/2)
     out = torch.cat([x1 * cos_SF - x2 * sin_SF, x1 * sin_SF + x2 * cos_SF], dim=-1)
     return out.to(x_BHSDh.dtype)
+
+
+def rotary_at(table_PF: torch.Tensor, start: int, S: int, positions_BS: torch.Tensor | None) -> torch.Tensor:
+    """A cos or sin table for S tokens: rows start..start+S-1 [S, F], or each token's [B, 1, S, F]."""
+    if positions_BS is None:
+        return table_PF[start:start + S]
+    return table_PF[positions_BS].unsqueeze(1)

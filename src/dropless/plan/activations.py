@@ -228,7 +228,7 @@ def mtp_bytes(model: MoEModel, k: int, batch: int, seq_len: int, bf16: bool) -> 
     cos, sin = _tables(model, seq_len)
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        return mtp_loss(torch.nn.ModuleList([module]), x, targets, model.embed, model.head, cos, sin)[0]
+        return mtp_loss(torch.nn.ModuleList([module]), x, targets, targets, model.embed, model.head, cos, sin)[0]
 
     params = [*module.parameters(), *model.embed.parameters(), *model.head.parameters(), cos, sin]
     with _autocast(bf16), _checkpoints_count_inputs():
