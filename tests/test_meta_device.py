@@ -184,19 +184,19 @@ TRAINER_CASES = {
 def test_trainer_step_on_meta(case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Trainer.train_step between log steps: batches, autocast choice, forward, backward, the global
     # aux loss, clipping, the optimizer and the balancing rules, all on the trainer's device.
-    from dropless.train import data_source
+    from dropless.data.windows import Window, Windows
     from dropless.train.loop import Trainer
 
     bf16_grouped_mm(monkeypatch)
-    real_get_batch = data_source.get_batch
+    real_draw = Windows.draw
 
-    def host_drawn_batch(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def host_drawn_batch(self: Windows, *args, **kwargs) -> Window:
         with _disable_current_modes():  # the host-side draw (module note); the result must be on meta
-            x, y = real_get_batch(*args, **kwargs)
-        assert x.device == META and y.device == META
-        return x, y
+            w = real_draw(self, *args, **kwargs)
+        assert w.x_BS.device == META and w.y_BS.device == META
+        return w
 
-    monkeypatch.setattr(data_source, "get_batch", host_drawn_batch)
+    monkeypatch.setattr(Windows, "draw", host_drawn_batch)
     trainer = Trainer(tiny("train.dtype=auto", *TRAINER_CASES[case]), tmp_path, device=META)
     assert trainer.layout.placement.dtype == "fp32"  # no autocast exists on meta
     with OnDevice(META, allow_cpu_scalars=True):
@@ -210,17 +210,17 @@ def test_trainer_step_on_meta(case: str, tmp_path: Path, monkeypatch: pytest.Mon
 def test_evaluation_reads_the_host_once_on_meta(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Evaluation sums on the device and reads the sums once at the end (a read per batch would wait
     # for the device batch by batch); that one read is counted here instead of raising.
-    from dropless.train import data_source
+    from dropless.data.windows import Windows
     from dropless.train.loop import Trainer
 
     bf16_grouped_mm(monkeypatch)
     trainer = Trainer(tiny(), tmp_path, device=META)
-    real_eval_batches = data_source.eval_batches
+    real_evaluation = Windows.evaluation
 
-    def host_drawn(*args, **kwargs):
+    def host_drawn(self: Windows, *args, **kwargs):
         with _disable_current_modes():  # the host-side draw, as in the trainer test
-            batches = list(real_eval_batches(*args, **kwargs))
-        assert all(x.device == META for x, _ in batches)
+            batches = list(real_evaluation(self, *args, **kwargs))
+        assert all(w.x_BS.device == META for w in batches)
         return iter(batches)
 
     reads = []
@@ -229,7 +229,7 @@ def test_evaluation_reads_the_host_once_on_meta(tmp_path: Path, monkeypatch: pyt
         reads.append(tuple(t.shape))
         return [1.0] * t.numel()
 
-    monkeypatch.setattr(data_source, "eval_batches", host_drawn)
+    monkeypatch.setattr(Windows, "evaluation", host_drawn)
     monkeypatch.setattr(torch.Tensor, "tolist", tolist)
     with OnDevice(META):
         trainer.evaluate()

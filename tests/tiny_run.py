@@ -35,7 +35,7 @@ def rows(run_dir: Path, key: str) -> list[dict]:
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         r = json.loads(line)
         if key in r:
-            out.append({k: v for k, v in r.items() if k not in ("tokens_per_s", "step_ms")})
+            out.append({k: v for k, v in r.items() if k not in ("tokens_per_s", "step_ms", "data_ms")})
     return out
 
 

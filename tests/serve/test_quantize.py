@@ -129,7 +129,7 @@ def test_distinct_experts_on_hand_made_routing() -> None:
         return SimpleNamespace(moe=[SimpleNamespace(ids_TK=ids.view(8, 2), valid_TK=valid.view(8, 2))])
 
     model.expert_slots = lambda: ExpertSlots(4)
-    got = distinct_experts(model, cfg, torch.arange(1000) % 256)
+    got = distinct_experts(model, cfg, _windows(cfg))
     assert got == {1: [15 / 8], 4: [3.0]}
 
 
@@ -209,3 +209,12 @@ def test_quantize_and_evaluate_a_run_with_identity_experts_and_mtp(tmp_path: Pat
     assert cli.main(["evaluate", "--run-dir", str(out), "--serve-sweep", "--max-batches", "1"]) == 0
     sweep = capsys.readouterr().out
     assert "| 2 | 2 | trained |" in sweep and "| 1 | 1 |" in sweep
+
+
+def _windows(cfg):
+    """1000 tokens 0..255, 0.. as one validation run (serve.evaluate.val_windows' shape of data)."""
+    import numpy as np
+
+    from dropless.data.windows import TokenRun, Windows
+
+    return Windows([TokenRun(np.arange(1000) % 256, np.zeros(1, dtype=np.int64))], cfg.train.seq_len)

@@ -105,4 +105,13 @@ def test_distinct_experts_leaves_the_identity_experts_out() -> None:
         return SimpleNamespace(moe=[SimpleNamespace(ids_TK=ids.view(8, 2), valid_TK=None)])
 
     model.expert_slots = lambda: ExpertSlots(4, 2)
-    assert distinct_experts(model, cfg, torch.arange(1000) % 256) == {1: [1.0], 4: [2.5]}
+    assert distinct_experts(model, cfg, _windows(cfg)) == {1: [1.0], 4: [2.5]}
+
+
+def _windows(cfg):
+    """1000 tokens 0..255, 0.. as one validation run (serve.evaluate.val_windows' shape of data)."""
+    import numpy as np
+
+    from dropless.data.windows import TokenRun, Windows
+
+    return Windows([TokenRun(np.arange(1000) % 256, np.zeros(1, dtype=np.int64))], cfg.train.seq_len)

@@ -13,7 +13,7 @@ from dropless.train.run import main
 BAD_STARTS = {
     "missing data": (['data.sources=["/nonexistent"]'], "corpus source not found"),
     "vocab below the tokenizer's": (["model.vocab_size=100"], "model.vocab_size=100"),
-    "too little data": (["data.max_bytes=2000"], "fewer than seq_len"),
+    "too little data": (["data.max_bytes=2000"], "fewer than train.seq_len"),
 }
 
 

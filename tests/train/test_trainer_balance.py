@@ -11,16 +11,18 @@ import pytest
 import torch
 
 from dropless.layers import balance
-from dropless.train import data_source, loop
+from dropless.data.windows import Window, Windows
+from dropless.train import loop
 from tiny_run import tiny
 from tolerances import assert_close
 
 
 def fixed_batches(monkeypatch: pytest.MonkeyPatch, X: torch.Tensor, Y: torch.Tensor) -> None:
-    def get_batch(tokens, step, micro, batch_size, seq_len, seed, **kw):
-        return X[micro * batch_size:(micro + 1) * batch_size], Y[micro * batch_size:(micro + 1) * batch_size]
+    def draw(self, step, micro, batch_size, seed, **kw):
+        return Window(X[micro * batch_size:(micro + 1) * batch_size], Y[micro * batch_size:(micro + 1) * batch_size],
+                      None)
 
-    monkeypatch.setattr(data_source, "get_batch", get_batch)
+    monkeypatch.setattr(Windows, "draw", draw)
 
 
 def test_global_aux_loss_with_accumulation_equals_one_big_batch(tmp_path: Path, monkeypatch) -> None:

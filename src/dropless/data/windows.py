@@ -36,7 +36,7 @@ from .batches import batch_seed
 
 __all__ = ["IGNORE_INDEX", "TokenRun", "Window", "Windows"]
 
-IGNORE_INDEX = -100  # F.cross_entropy's ignore_index: a target that takes no loss
+from ..layers.doc_mask import IGNORE_INDEX  # a target that takes no loss
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ class Windows:
             raise ValueError(f"batch_size must be positive, got batch_size={batch_size}")
         g = torch.Generator().manual_seed(batch_seed(seed, step, micro_step, rank))
         # randint's high is exclusive: a text start is <= N - S - 1, so start + S is in the run
-        index_B = torch.randint(0, int(self.cum[-1]), (batch_size,), generator=g)
+        index_B = torch.randint(0, int(self.cum[-1]), (batch_size,), generator=g).numpy()  # host data
         return self._assemble([self._place(int(i)) for i in index_B], device)
 
     def evaluation(self, batch_size: int, max_batches: int | None = None, *,

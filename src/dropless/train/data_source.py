@@ -82,8 +82,11 @@ class DataSource:
         return t.batch_size * seq_tokens * t.grad_accum * self.world_size
 
     def describe(self) -> str:
-        return (f"{self.source}: train {self.train_windows.num_tokens / 1e6:.1f}M tokens, "
-                f"val {self.val_windows.num_tokens / 1e6:.2f}M")
+        def count(n: int) -> str:
+            return f"{n / 1e6:.1f}M" if n >= 100_000 else f"{n:,}"
+
+        return (f"{self.source}: train {count(self.train_windows.num_tokens)} tokens, "
+                f"val {count(self.val_windows.num_tokens)}")
 
 
 def load_data(cfg: RunConfig, layout: Layout) -> DataSource:
