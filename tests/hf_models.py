@@ -15,6 +15,8 @@ tokenizers = pytest.importorskip("tokenizers")
 
 import torch  # noqa: E402
 
+from dropless.data.tokenizer import train_byte_bpe  # noqa: E402
+
 VOCAB = 320  # the tokenizer's 256 byte symbols + a few merges, below it
 
 
@@ -58,18 +60,9 @@ def deepseek_config(**kw: Any) -> Any:
 def write_tokenizer(folder: Path, added: int = 0) -> None:
     """A byte-level BPE tokenizer.json of at most VOCAB - 8 tokens trained on a few lines of Python,
     plus `added` added tokens."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 8, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
     text = ["def f(x):\n    return x + 1\n", "import os\nimport sys\n", "class A:\n    pass\n",
             "for i in range(10):\n    print(i, i * i, str(i).upper())\n", "with open(path) as fh:\n"] * 20
-    tok.train_from_iterator(text, trainer)
-    tok.add_tokens([f"<extra_{i}>" for i in range(added)])
-    tok.save(str(folder / "tokenizer.json"))
+    train_byte_bpe(text, folder, VOCAB - 8, added=[f"<extra_{i}>" for i in range(added)])
 
 
 def save_hf(config: Any, folder: Path, seed: int = 0, tokenizer: bool = True) -> Any:

@@ -9,7 +9,8 @@ import numpy as np
 
 from dropless.data.batches import SEPARATOR, encode_documents
 from dropless.data.corpus import read_documents, split_documents
-from dropless.data.prepared import TokenRun
+from dropless.data.tokenizer import train_byte_bpe
+from dropless.data.windows import TokenRun
 
 WORDS = ["alpha", "beta", "gamma", "delta", "naïve", "café", "x = f(y)", "\tindent", "ünïcödé", "end."]
 
@@ -52,17 +53,7 @@ def write_tables(root: Path, n: int = 90) -> list[Path]:
 
 def write_bpe(folder: Path, vocab: int = 400) -> Path:
     """A byte-level BPE tokenizer.json trained on the corpus words."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator([text(i) for i in range(50)], trainer)
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / "tokenizer.json"))
-    return folder / "tokenizer.json"
+    return train_byte_bpe([text(i) for i in range(50)], folder, vocab)
 
 
 def write_wide_vocab(folder: Path, vocab: int = 70_000) -> Path:

@@ -34,6 +34,7 @@ from typing import Any, Callable
 import torch
 
 from .. import atomic
+from ..data.tokenizer import train_byte_bpe
 from ..hf.optional import require
 
 
@@ -126,17 +127,9 @@ def _initialise(model: torch.nn.Module, std: float, seed: int) -> None:
 
 def write_tokenizer(folder: Path, vocab: int = 512) -> None:
     """A byte-level BPE tokenizer.json of at most `vocab` tokens trained on a few lines of Python."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
     text = ["def f(x):\n    return x + 1\n", "import os\nimport sys\n", "class A:\n    pass\n",
             "for i in range(10):\n    print(i, i * i, str(i).upper())\n", "with open(path) as fh:\n"] * 20
-    tok.train_from_iterator(text, trainer)
-    tok.save(str(folder / "tokenizer.json"))
+    train_byte_bpe(text, folder, vocab)
 
 
 def write(config: Any, out: str | Path, shard_size: str = "500MB", seed: int = 0) -> Path:

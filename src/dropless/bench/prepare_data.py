@@ -34,7 +34,7 @@ from ..data.batches import SEPARATOR
 from ..data.corpus import stdlib_documents
 from ..data.prepare import prepare_data
 from ..data.prepared import open_prepared
-from ..data.tokenizer import load_tokenizer
+from ..data.tokenizer import load_tokenizer, train_byte_bpe
 from .timing import format_table
 
 
@@ -56,8 +56,6 @@ def synthetic_corpus(folder: Path, mb: float, files: int = 4) -> list[Path]:
 
 
 def train_bpe(sources: list[Path], folder: Path, vocab: int) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     def texts() -> Any:
         seen = 0
         for p in sources:
@@ -68,13 +66,7 @@ def train_bpe(sources: list[Path], folder: Path, vocab: int) -> Path:
                 if seen > 4 << 20:
                     return
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts(), trainers.BpeTrainer(
-        vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    tok.save(str(folder / "tokenizer.json"))
-    return folder / "tokenizer.json"
+    return train_byte_bpe(texts(), folder, vocab)
 
 
 def datasets_baseline(sources: list[Path], tokenizer_file: Path, workers: int, cache: Path) -> tuple[Any, dict]:

@@ -13,6 +13,8 @@ import json
 import random
 from pathlib import Path
 
+from ..data.tokenizer import train_byte_bpe
+
 __all__ = ["CHATML", "SPECIALS", "conversations", "write_chat_setup", "write_tokenizer"]
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -42,16 +44,8 @@ def conversations(n: int, seed: int = 0) -> list[dict]:
 def write_tokenizer(folder: Path, texts: list[str], vocab_size: int = 320) -> Path:
     """A byte-level BPE of `vocab_size` ids (the specials included) trained on `texts`, with the ChatML
     template; returns the tokenizer.json path."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     folder.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer)
-    tok.save(str(folder / "tokenizer.json"))
+    train_byte_bpe(texts, folder, vocab_size, specials=SPECIALS)
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML, "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>", "bos_token": None, "model_max_length": 1 << 20}, indent=1))

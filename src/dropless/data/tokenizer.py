@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 __all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "load_tokenizer", "tokenizer_identity", "TOKENIZER_KINDS"]
@@ -139,3 +140,25 @@ def tokenizer_identity(tokenizer: Any) -> dict[str, Any]:
         digest = hashlib.sha256(tokenizer.path.read_bytes()).hexdigest()
         return {"kind": "hf", "vocab_size": tokenizer.vocab_size, "sha256": digest}
     raise ValueError(f"tokenizer_identity: unknown tokenizer {tokenizer!r}; expected ByteTokenizer or HFTokenizer")
+
+
+def train_byte_bpe(texts: Iterable[str], folder: str | Path, vocab_size: int, *, specials: Sequence[str] = (),
+                   added: Sequence[str] = ()) -> Path:
+    """A byte-level BPE `tokenizer.json` of at most `vocab_size` ids (the `specials` among them), trained
+    on `texts`, plus `added` tokens after them; returns its path. For synthetic checkpoints, benchmarks
+    and tests (a real run brings its model's tokenizer)."""
+    tokenizers = _import_tokenizers()
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    if added:
+        tok.add_tokens(list(added))
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return folder / "tokenizer.json"
