@@ -50,8 +50,7 @@ from ..config import RunConfig
 from ..expert_slots import ExpertSlots
 from .routing_record import VARIABLE_COUNT_STRATEGIES, RoutingRecord
 from ..device import to_device
-
-IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
+from ..layers.doc_mask import IGNORE_INDEX  # a padded target takes no loss
 
 
 class ReplayData:
