@@ -122,3 +122,20 @@ def test_identity_config_validation() -> None:
 @pytest.mark.parametrize("recompute", [[], ["layer"], ["moe"]], ids=lambda r: "+".join(r) or "none")
 def test_identity_model_against_reference_and_recompute(recompute: list[str]) -> None:
     check_model(model_cfg("model.moe.n_identity_experts=2"), recompute)
+
+
+def test_split_puts_every_identity_id_in_the_real_experts_range() -> None:
+    # An invalid slot (expert-threshold and expert-choice strategies leave some) may hold an identity
+    # id: the real experts' decision must still index only real experts, since tables indexed by
+    # expert (the hot-replica placement, distributed/ep_replicas.py) read every slot's id.
+    from dropless.expert_slots import ExpertSlots
+    from dropless.layers.router import RoutingDecision
+
+    slots = ExpertSlots(4, identity=2)
+    ids = torch.tensor([[0, 5], [4, 1], [5, 4]])
+    valid = torch.tensor([[True, False], [True, True], [False, True]])
+    d = RoutingDecision(ids, torch.full((3, 2), 0.5), torch.zeros(3, 6), torch.zeros(3, 6), valid)
+    split = identity.split(d, slots)
+    assert int(split.experts.ids_TK.max()) < slots.routed
+    assert split.experts.valid_TK.tolist() == [[True, False], [False, True], [False, False]]
+    assert split.is_identity_TK.tolist() == [[False, False], [True, False], [False, True]]

@@ -79,14 +79,15 @@ def split(decision: RoutingDecision, slots: ExpertSlots) -> Split:
     if not slots.identity:
         return NoIdentity(decision)
     ids_TK = decision.ids_TK
-    is_id_TK = slots.is_identity(ids_TK)
+    any_id_TK = slots.is_identity(ids_TK)
     if decision.valid_TK is not None:
-        is_id_TK = is_id_TK & decision.valid_TK
+        is_id_TK = any_id_TK & decision.valid_TK
         real_TK = decision.valid_TK & ~is_id_TK
     else:
-        real_TK = ~is_id_TK
-    # identity ids become expert 0 in the real decision: invalid slots, but in range for any plan
-    experts = replace(decision, ids_TK=torch.where(is_id_TK, 0, ids_TK), valid_TK=real_TK,
+        is_id_TK, real_TK = any_id_TK, ~any_id_TK
+    # identity ids become expert 0 in the real decision: invalid slots, but in range for any plan or
+    # table indexed by expert (the hot-replica tables, ep_replicas.py), invalid slots' ids included
+    experts = replace(decision, ids_TK=torch.where(any_id_TK, 0, ids_TK), valid_TK=real_TK,
                       weights_TK=torch.where(real_TK, decision.weights_TK, 0.0))
     weight_T = torch.where(is_id_TK, decision.weights_TK, 0.0).sum(-1)
     return IdentitySplit(experts, weight_T, real_TK.any(-1), is_id_TK, ids_TK, slots)
