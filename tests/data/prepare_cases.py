@@ -82,3 +82,8 @@ def expected_splits(sources: list[Path], tokenizer, val_fraction: float) -> tupl
 
 def joined(runs: list[TokenRun]) -> np.ndarray:
     return np.concatenate([np.asarray(r.tokens, dtype=np.int64) for r in runs]) if runs else np.zeros(0, np.int64)
+
+def mapped(array: np.ndarray, run) -> bool:
+    """`array` is a read-only view of one of the run's memory maps (nothing copied into the process)."""
+    return (not array.flags.writeable and not array.flags.owndata
+            and any(memoryview(mm).nbytes == array.nbytes for mm, _ in run.maps))

@@ -19,7 +19,8 @@ from dropless.data.prepare_plan import plan_units
 from dropless.data.prepared import open_prepared
 from dropless.data.tokenizer import ByteTokenizer, HFTokenizer
 
-from prepare_cases import expected_splits, joined, text, write_bpe, write_corpus, write_tables, write_wide_vocab
+from prepare_cases import (expected_splits, joined, mapped, text, write_bpe, write_corpus, write_tables,
+                           write_wide_vocab)
 
 UNIT = 4096  # bytes per unit: the small corpora still make several units and cut the JSONL file
 
@@ -31,7 +32,7 @@ def _check_round_trip(sources: list[Path], out: Path, spec: str, tok, val: float
     np.testing.assert_array_equal(joined(train), want_train)
     np.testing.assert_array_equal(joined(val_runs), want_val)
     for r in train + val_runs:  # each document starts after the separator that ends the one before
-        assert r.starts[0] == 0 and isinstance(r.tokens, np.memmap) and r.tokens.mode == "r" and r.loss is None
+        assert r.starts[0] == 0 and mapped(r.tokens, r) and r.loss is None
         sep = tok.encode("\n\n")
         for s in r.starts[1:]:
             assert list(r.tokens[s - len(sep):s]) == sep
@@ -254,3 +255,4 @@ def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert "already prepared" in capsys.readouterr().err
     assert cli.main(argv[:-2] + ["0.3", "--no-progress"]) == 2
     assert "val_fraction: 0.2 there, 0.3 now" in capsys.readouterr().err
+

@@ -14,7 +14,7 @@ from dropless.data.prepare import prepare_data
 from dropless.data.prepared import MANIFEST, file_sha256, open_prepared, token_dtype
 from dropless.data.tokenizer import ByteTokenizer, HFTokenizer, tokenizer_identity
 
-from prepare_cases import write_bpe, write_corpus
+from prepare_cases import mapped, write_bpe, write_corpus
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +38,8 @@ def test_opens_memory_mapped(prepared: Path) -> None:
     m = json.loads((prepared / MANIFEST).read_text())
     assert len(train) == m["totals"]["train"]["shards"] and len(val) == m["totals"]["val"]["shards"] > 0
     for r in train + val:
-        assert isinstance(r.tokens, np.memmap) and r.tokens.mode == "r" and not r.tokens.flags.writeable
-        assert r.starts.dtype == np.int64 and not isinstance(r.starts, np.memmap) and r.starts[0] == 0
+        assert mapped(r.tokens, r)
+        assert r.starts.dtype == np.int64 and r.starts.flags.owndata and r.starts[0] == 0
     assert sum(len(r.tokens) for r in train) == m["totals"]["train"]["tokens"]
 
 

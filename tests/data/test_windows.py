@@ -112,3 +112,34 @@ def test_refusals():
         Windows([_run([4, 4])], 8)
     with pytest.raises(ValueError, match="loss_on=all"):
         Windows([_run([20])], 8, loss_masked=True)
+
+
+def test_prepared_windows_leave_the_resident_set_flat(tmp_path, monkeypatch):
+    # every page a window reads is unmapped again after the batch (TokenRun.release): without it the
+    # resident set grows with every distinct window (read-ahead and fault-around map pages around it)
+    from dropless.data.prepare import prepare_data
+    from dropless.data.prepared import open_prepared
+
+    rng = np.random.default_rng(0)
+    (tmp_path / "big.txt").write_bytes(rng.integers(97, 123, 24 << 20, dtype=np.uint8).tobytes())
+    prepare_data([tmp_path / "big.txt"], tmp_path / "p", progress=False, val_fraction=0.0)
+    train, _ = open_prepared(tmp_path / "p", ByteTokenizer(), val_fraction=0.0)
+
+    def shard_rss_kb() -> int:
+        total, inside = 0, False
+        for line in open("/proc/self/smaps"):
+            head = line.split()
+            if "-" in head[0] and ":" not in head[0]:  # a mapping's header line
+                inside = len(head) >= 6 and head[-1].startswith(str(tmp_path / "p"))
+            elif inside and line.startswith("Rss:"):
+                total += int(head[1])
+        return total
+
+    w = Windows(train, 256)
+    for step in range(200):  # 3,200 windows over 48 MB of uint16 ids
+        w.draw(step, 0, 16, 0)
+    assert shard_rss_kb() < 64, shard_rss_kb()
+    monkeypatch.setattr(TokenRun, "release", lambda self: None)  # the same draws, the pages left mapped
+    for step in range(200, 400):
+        w.draw(step, 0, 16, 0)
+    assert shard_rss_kb() > 1024

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import sys
 from pathlib import Path
 from typing import Any
@@ -145,16 +146,29 @@ def _bar(total: int) -> Any:
     return tqdm(total=total, desc="verify prepared data", unit="B", unit_scale=True, file=sys.stderr)
 
 
+def _map(path: Path, dtype: np.dtype) -> tuple[np.ndarray, tuple[mmap.mmap, int] | None]:
+    """A read-only memory map of `path` as an array, and (the map, the item size) for TokenRun.release.
+    MADV_RANDOM: a window reads the pages it needs, not the kernel's read-ahead around them, which
+    would map up to hundreds of KB per window into the resident set."""
+    if path.stat().st_size == 0:
+        return np.zeros(0, dtype=dtype), None
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if hasattr(mmap, "MADV_RANDOM"):
+        mm.madvise(mmap.MADV_RANDOM)
+    return np.frombuffer(mm, dtype=dtype), (mm, np.dtype(dtype).itemsize)
+
+
 def _open_run(folder: Path, shard: dict[str, Any], dtype: np.dtype) -> TokenRun:
     files = shard["files"]
-    tokens = np.memmap(folder / files["tokens"]["name"], dtype=dtype, mode="r")
+    tokens, token_map = _map(folder / files["tokens"]["name"], dtype)
     starts = np.fromfile(folder / files["starts"]["name"], dtype=np.int64)
-    loss = np.memmap(folder / files["loss"]["name"], dtype=np.uint8, mode="r") if "loss" in files else None
+    loss, loss_map = _map(folder / files["loss"]["name"], np.uint8) if "loss" in files else (None, None)
     if starts.size == 0 or starts[0] != 0 or np.any(np.diff(starts) < 0) or starts[-1] >= tokens.size:
         raise ValueError(f"prepared data {str(folder)!r}: corrupt shard {files['starts']['name']!r}: "
                          f"document starts are not sorted from 0 within the shard's "
                          f"{tokens.size} tokens; prepare the data again")
-    return TokenRun(tokens, starts, loss)
+    return TokenRun(tokens, starts, loss, tuple(m for m in (token_map, loss_map) if m is not None))
 
 
 def open_prepared(folder: str | Path, tokenizer: Any, *, val_fraction: float, verify: bool = True,

@@ -25,6 +25,7 @@ the marked tokens takes no loss either.
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -46,6 +47,7 @@ class TokenRun:
     tokens: np.ndarray  # 1-D ids, any integer dtype; a read-only np.memmap for prepared shards
     starts: np.ndarray  # int64, sorted, starts[0] == 0: each document's first token
     loss: np.ndarray | None = None  # uint8 per token: 1 = may be a target that takes loss
+    maps: tuple[tuple[mmap.mmap, int], ...] = ()  # prepared shards: (memory map, item size) of each array
 
     def __post_init__(self) -> None:
         if self.tokens.ndim != 1 or self.starts.ndim != 1:
@@ -54,6 +56,16 @@ class TokenRun:
             raise ValueError("TokenRun: starts must begin with 0 (the first document's first token)")
         if self.loss is not None and self.loss.shape != self.tokens.shape:
             raise ValueError(f"TokenRun: loss has shape {self.loss.shape}, tokens {self.tokens.shape}")
+
+    def release(self) -> None:
+        """Unmap the run's pages from this process (they stay in the page cache; the next read maps them
+        again). A fault maps more than the window it serves (fault-around, a large page-cache folio), so
+        the whole map is dropped, not the window's range. Without this every page a window once read
+        would stay in the resident set, which would grow with the steps and the corpus. No-op for
+        in-memory runs."""
+        if hasattr(mmap, "MADV_DONTNEED"):
+            for mm, _ in self.maps:
+                mm.madvise(mmap.MADV_DONTNEED)
 
 
 @dataclass(frozen=True)
@@ -144,6 +156,7 @@ class Windows:
                 seg_BS1[b, n:] = doc_n[-1] + 1  # padding: a document of its own
             if self.loss_masked:
                 keep_BS[b, :n - 1] &= run.loss[first + 1:end].astype(bool)
+            run.release()
         if self.document_mask:
             keep_BS &= seg_BS1[:, 1:] == seg_BS1[:, :-1]
         y_BS = np.where(keep_BS, w_BS1[:, 1:], IGNORE_INDEX)
