@@ -45,6 +45,7 @@ from .attn_config import ATTENTIONS, YarnConfig, check_attention  # noqa: F401  
 from .model_knobs import check_model_knobs, moe_layer_ids  # noqa: E402
 
 from .parallel_config import EP_MODES, ON_OVERFLOW, ParallelConfig  # noqa: F401,E402  (re-exported)
+from .lora_config import LORA_BASES, LORA_TARGETS, LoRAConfig, check_lora_model  # noqa: F401,E402
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -284,8 +285,12 @@ class TrainConfig:
     # torch.compile each transformer block (train/compiling.py: fullgraph, in place; falls back to
     # eager with one warning where the backend cannot compile). The first step pays the compile.
     compile: bool = False
+    # low-rank adapters on a frozen base (lora_config.py; off with rank 0)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
+        if isinstance(self.lora, dict):
+            self.lora = from_dict(LoRAConfig, self.lora, "train.lora.")
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_every", "eval_batches",
                      "ckpt_every", "keep_last", "max_nonfinite_steps"):
             _positive(f"train.{name}", getattr(self, name))
@@ -377,6 +382,7 @@ class RunConfig:
         if self.data.tokenizer == "byte" and self.model.vocab_size < 256:  # (hf: checked on loading it)
             _fail("model.vocab_size", self.model.vocab_size, "is below the 256 ids of data.tokenizer='byte'")
         self.parallel.check_run(self.model.moe, self.train.batch_size * self.train.seq_len, self.train.optimizer)
+        check_lora_model(self.train.lora, self.model, self.parallel)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:

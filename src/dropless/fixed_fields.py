@@ -21,7 +21,9 @@ from typing import Any
 MUTABLE_MODEL_FIELDS = ("model.init_std", "model.moe.backend", "model.moe.align", "model.moe.precision",
                         "model.moe.balance.", "model.recompute",
                         "model.offload")  # a trailing dot: the whole section
-FIXED_FIELDS_OUTSIDE_MODEL = ("data.tokenizer", "data.tokenizer_path")
+# and the adapters' shapes and their base (train.lora: alpha and dropout may change)
+FIXED_FIELDS_OUTSIDE_MODEL = ("data.tokenizer", "data.tokenizer_path", "train.lora.rank", "train.lora.targets",
+                              "train.lora.layers", "train.lora.base", "train.lora.base_from")
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

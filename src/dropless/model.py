@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .config import ModelConfig
+from . import model_lora
+from .config import LoRAConfig, ModelConfig
 from .expert_slots import ExpertSlots
 from .layers import doc_mask, init, offload, recompute
 from .layers.attention import Attention
@@ -65,7 +66,8 @@ class BlockOutput:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, moe: bool, offloader: offload.Offloader | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, moe: bool, offloader: offload.Offloader | None = None,
+                 lora: LoRAConfig | None = None, index: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = LatentAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
@@ -73,6 +75,7 @@ class Block(nn.Module):
         m = cfg.moe
         self.ffn: nn.Module = (MoELayer(cfg.d_model, m) if moe else
                                MLP(cfg.d_model, cfg.d_ff_dense, m.activation, m.act_clamp, m.act_softcap))
+        model_lora.adapt_block(self.attn, self.ffn, index, lora)  # train.lora (before the offload hooks)
         self.recompute = recompute.modes_of(cfg.recompute)  # layers/recompute.py
         if moe:  # inside the MoE layer: it checkpoints its shared experts itself
             self.ffn.recompute_shared = "shared_experts" in self.recompute
@@ -172,11 +175,13 @@ def _rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class MoEModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, seed: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, seed: int | None = None, lora: LoRAConfig | None = None) -> None:
         """Initial weights: a function of `seed` and each parameter's name (layers/init.py), the
         same whatever device or sharding later holds them; without `seed`, one drawn from the global
         generator (so `torch.manual_seed` still decides them). Built on the meta device (under
-        `torch.device("meta")`) nothing is drawn: `materialize` then `init_weights` (or a load)."""
+        `torch.device("meta")`) nothing is drawn: `materialize` then `init_weights` (or a load).
+        `lora` (train.lora): adapters on the blocks it names, every other parameter frozen
+        (model_lora.py); the MTP modules are never adapted."""
         super().__init__()
         self.cfg = cfg
         # what activation offload moved (layers/offload.py): `offloader.counter`; None without offload
@@ -188,7 +193,7 @@ class MoEModel(nn.Module):
             # (given its weight: nn.Embedding's own init would draw on meta, which imports torch._dynamo)
             self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, _weight=torch.empty(cfg.vocab_size, cfg.d_model))
             moe_ids = set(cfg.moe_layer_ids)  # model.n_dense_layers, model.moe_layer_freq (model_knobs.py)
-            self.blocks = nn.ModuleList(Block(cfg, moe=i in moe_ids, offloader=self.offloader)
+            self.blocks = nn.ModuleList(Block(cfg, moe=i in moe_ids, offloader=self.offloader, lora=lora, index=i)
                                         for i in range(cfg.n_layers))
             self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
             self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -199,6 +204,8 @@ class MoEModel(nn.Module):
                           lambda: RMSNorm(cfg.d_model, cfg.norm_eps)) for _ in range(cfg.mtp_depth))
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
+        self.lora = lora if lora is not None and lora.enabled else None
+        model_lora.freeze(self, self.lora)
         cos, sin = _rope_tables(cfg)
         self.register_buffer("rope_cos", cos.to(target), persistent=False)
         self.register_buffer("rope_sin", sin.to(target), persistent=False)

@@ -32,7 +32,7 @@ Applies only where the layer is a plain single-device dropless layer in its weig
 (the quantised recipes quantise per expert group), no autocast (the grouped path casts all E
 matrices to the autocast dtype; doing that here would cost more than it saves), no capacity layout
 (it drops pairs by position in the expert's group), token-choice-shaped decisions (no validity
-mask), a dispatcher that allows it (`Dispatcher.allows_decode_path`: the local dropless one; expert
+mask), no LoRA adapters on the experts (train.lora), a dispatcher that allows it (`Dispatcher.allows_decode_path`: the local dropless one; expert
 parallel moves pairs between ranks), and no detailed statistics (they read the expert-ordered rows).
 """
 
@@ -46,6 +46,7 @@ from ..ops.autocast import autocast_available
 from ..ops.activations import activation, weighted_swiglu
 from .dispatch import DispatchMeta, Dispatcher
 from .experts import GroupedExperts
+from .lora import has_expert_adapters
 from .router import RoutingDecision
 
 # Calls of at most this many tokens take the decode path, per device type (measured with
@@ -105,6 +106,7 @@ def applies(experts: torch.nn.Module, dispatcher: Dispatcher, decision: RoutingD
         max_tokens = default_max_tokens(dev) if not torch.is_grad_enabled() else 0
     autocast = autocast_available(dev.type) and torch.is_autocast_enabled(dev.type)
     return (0 < n_tokens <= max_tokens and not autocast and type(experts) is GroupedExperts
+            and not has_expert_adapters(experts)
             and decision.valid_TK is None and not detailed_stats
             and experts.precision == quant_gemm.FULL_PRECISION
             and dispatcher.allows_decode_path)

@@ -43,7 +43,8 @@ from ..ops.activations import activation, is_gated, weighted_swiglu
 from ..ops.autocast import autocast_available
 from ..ops.lean_experts import BACKENDS as LEAN_BACKENDS
 from ..ops.lean_experts import RowSource, lean_experts
-from . import init
+from ..ops.lora_experts import lora_experts, lora_experts_reference
+from . import init, lora
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ class GroupedExperts(nn.Module):
     def init_rules(self) -> dict[str, init.Rule]:
         """N(0, 1/fan_in) for both stacks (layers/init.py)."""
         return {"w_gate_up_EDF": init.normal(self.w_gate_up_EDF.shape[1] ** -0.5),
-                "w_down_EFD": init.normal(self.w_down_EFD.shape[1] ** -0.5)}
+                "w_down_EFD": init.normal(self.w_down_EFD.shape[1] ** -0.5), **lora.expert_adapter_rules(self)}
 
     def reset_parameters(self) -> None:
         init.apply_rules(self)
@@ -140,6 +141,8 @@ def run_experts(spec: GroupedExperts | nn.Module, x_RD: torch.Tensor, w1_EDW: to
         x_RD, w1_EDW, w2_EFD = x_RD.to(dtype), w1_EDW.to(dtype), w2_EFD.to(dtype)
     elif x_RD.dtype != w1_EDW.dtype:
         x_RD = x_RD.to(w1_EDW.dtype)
+    if lora.has_expert_adapters(spec):
+        return run_lora_experts(spec, x_RD, w1_EDW, w2_EFD, batch)
     if runs_lean(spec):
         return lean_experts(x_RD, w1_EDW, w2_EFD, batch.offsets_E, batch.weights_R, batch.source,
                             spec.kind, spec.clamp, spec.softcap, spec.backend)
@@ -151,3 +154,25 @@ def run_experts(spec: GroupedExperts | nn.Module, x_RD: torch.Tensor, w1_EDW: to
         if batch.weights_R is not None:
             h_RF = h_RF * batch.weights_R.to(h_RF.dtype).unsqueeze(-1)
     return expert_gemm(h_RF, w2_EFD, batch, spec.backend, spec.precision)
+
+
+def run_lora_experts(spec: GroupedExperts | nn.Module, x_RD: torch.Tensor, w1_EDW: torch.Tensor | None,
+                     w2_EFD: torch.Tensor | None, batch: ExpertBatch) -> torch.Tensor:
+    """The adapted expert MLP (train.lora; ops/lora_experts.py): the Function where the lean experts
+    run, the plain composition elsewhere (the capacity layout; non-SwiGLU kinds under torch.compile).
+    A packed base (QLoRA) comes as `spec.dequant_base`, with w1 = w2 = None."""
+    adapters = lora.expert_adapters(spec)
+    dev = x_RD.device.type
+    if autocast_available(dev) and torch.is_autocast_enabled(dev):
+        adapters = tuple(t.to(x_RD.dtype) for t in adapters)
+    dequant = getattr(spec, "dequant_base", None)
+    if dequant is not None:
+        dequant = dequant(x_RD.dtype)
+    if runs_lean(spec):
+        return lora_experts(x_RD, w1_EDW, w2_EFD, adapters, spec.lora_scale, batch.offsets_E, batch.weights_R,
+                            batch.source, spec.kind, spec.clamp, spec.softcap, spec.backend, dequant)
+    if dequant is not None:
+        w1_EDW, w2_EFD = dequant()
+    return lora_experts_reference(x_RD, w1_EDW, w2_EFD, adapters, spec.lora_scale, batch.offsets_E,
+                                  batch.weights_R, spec.kind, spec.clamp, spec.softcap,
+                                  lambda x, w: expert_gemm(x, w, batch, spec.backend, spec.precision))
