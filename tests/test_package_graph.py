@@ -17,10 +17,10 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "dropless"
 LEVELS: list[dict[str, set[str]]] = [
     {"ops": {"ops"}, "base": {"atomic", "cpu_alloc", "saved_bytes"}},
     {"config": {"config", "configtree", "moe_config", "attn_config", "parallel_config", "model_knobs",
-                "expert_slots", "fixed_fields"},
+                "expert_slots", "fixed_fields", "lora_config"},
      "device": {"device"}},
     {"layers": {"layers"}},
-    {"model": {"model"}},
+    {"model": {"model", "model_lora"}},
     {"distributed": {"distributed"}, "monitor": {"monitor"}},
     {"data": {"data"}},
     {"runs": {"runs"}},

@@ -22,6 +22,7 @@ COMMANDS = {
     "plan": ("dropless.plan.cli", "predict per-rank training memory (and which knob makes it fit)"),
     "import-hf": ("dropless.hf.import_cli", "a Hugging Face Qwen3-MoE / Mixtral / DeepSeek-V3 checkpoint as a run"),
     "export-hf": ("dropless.hf.export_hf", "a run as a Hugging Face checkpoint (qwen3_moe | mixtral | deepseek_v3)"),
+    "merge-lora": ("dropless.hf.merge_lora", "a LoRA run's adapters merged into its base, as a full run"),
     "upcycle": ("dropless.hf.upcycle", "a dense Hugging Face Qwen3 / Llama checkpoint as an MoE run"),
     "prepare-data": ("dropless.data.prepare", "tokenise a corpus once into memory-mapped shards (data.prepared)"),
     "check-matrix": ("dropless.check.matrix", "every pair of knob values through every command (CI's matrix)"),

@@ -224,10 +224,11 @@ class MoEModel(nn.Module):
                 rules[f"{name}.attn.out.weight"] = init.normal(std / (2 * self.cfg.n_layers) ** 0.5)
         return rules
 
-    def init_weights(self, seed: int, where: init.Where = init.whole) -> None:
-        """Every parameter's initial values from (seed, its name): each process fills the rows
-        `where` says it holds (layers/init.py; one process: all of them)."""
-        init.init_parameters(self, seed, where)
+    def init_weights(self, seed: int, where: init.Where = init.whole,
+                     only: Callable[[str], bool] | None = None) -> None:
+        """Every parameter's initial values from (seed, its name), or those `only` accepts: each
+        process fills the rows `where` says it holds (layers/init.py; one process: all of them)."""
+        init.init_parameters(self, seed, where, only)
 
     def materialize(self, device: torch.device | str) -> "MoEModel":
         """A model built on the meta device, on `device`: parameters and persistent buffers allocated

@@ -50,7 +50,7 @@ from ..layers import decode_experts
 from ..layers.kv_cache import KVCache
 from ..model import MoEModel
 from ..serve.evaluate import autocast
-from ..runs.load import load_model
+from ..hf.load_run import load_model
 from ..device import resolve_device
 from ..runs.presets import preset_path
 from .timing import format_table, interleaved

@@ -27,7 +27,7 @@ import torch
 from ..layers.experts import GroupedExperts
 from ..ops import quant_gemm
 from ..serve.generate import _Cached, generate
-from ..runs.load import load_model
+from ..hf.load_run import load_model
 from ..data.tokenizer import load_tokenizer
 from .runner import Failed
 

@@ -20,7 +20,7 @@ import torch
 from ..config import ModelConfig
 from ..hf import mapping
 from ..model import MoEModel
-from ..runs.load import load_model
+from ..hf.load_run import load_model
 from .runner import Failed
 
 FALLBACK = "qwen3_moe"

@@ -26,8 +26,9 @@ from typing import Callable
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from ..config import ModelConfig, ParallelConfig
+from ..config import LoRAConfig, ModelConfig, ParallelConfig
 from ..layers import init
+from ..layers import lora as lora_layers
 from ..model import MoEModel
 from .mesh import Meshes
 from .parallelize import parallelize_model
@@ -65,12 +66,14 @@ def local_rows(meshes: Meshes, expert_names: list[str]) -> init.Where:
 
 def build_model(cfg: ModelConfig, device: torch.device, seed: int, meshes: Meshes | None = None,
                 parallel: ParallelConfig | None = None, fill: Fill | None = None,
-                ) -> tuple[MoEModel, list[str], dict[str, int]]:
+                lora: LoRAConfig | None = None) -> tuple[MoEModel, list[str], dict[str, int]]:
     """The model of `cfg` on `device`, parallelised over `meshes` when given, each process holding
     and filling its own shards: by `fill` (a loader) or else with the initial weights of `seed`.
+    With `lora` (train.lora) the model carries adapters: a `fill` writes the base (a loader knows
+    nothing of adapters) and the adapters then take their initial weights of `seed`.
     Returns the model, the expert parameter names EP sharded, and the global parameter counts."""
     with torch.device("meta"):
-        model = MoEModel(cfg)
+        model = MoEModel(cfg, lora=lora)
     counts = model.num_params()
     names: list[str] = []
     if meshes is not None:
@@ -82,6 +85,8 @@ def build_model(cfg: ModelConfig, device: torch.device, seed: int, meshes: Meshe
     with torch.no_grad():
         if fill is not None:
             fill(model, where)
+            if model.lora is not None:
+                model.init_weights(seed, where, only=lora_layers.is_adapter)
         else:
             model.init_weights(seed, where)
     return model, names, counts

@@ -17,6 +17,7 @@ from torch.distributed import ProcessGroup
 
 from ..config import ParallelConfig
 from ..layers.moe import MoELayer
+from ..layers import lora
 from .ep import build_ep_dispatcher
 
 
@@ -37,7 +38,8 @@ def shard_moe_layer(layer: MoELayer, group: ProcessGroup | None,
     # alignment the experts declare, as the local dispatcher has
     dispatcher = build_ep_dispatcher(layer, cfg, group)
     with torch.no_grad():
-        for name in ("w_gate_up_EDF", "w_down_EFD"):
+        # the base and, under train.lora, the experts' adapters (layers/lora.py): they live with their experts
+        for name in ("w_gate_up_EDF", "w_down_EFD", *(lora.EXPERT_ADAPTERS if lora.has_expert_adapters(experts) else ())):
             full = getattr(experts, name)
             local = full[rank * L:(rank + 1) * L].detach().clone()
             setattr(experts, name, nn.Parameter(local, requires_grad=full.requires_grad))

@@ -149,11 +149,14 @@ def fill_(part: LocalRows, rule: Rule, seed: int, name: str) -> None:
         flat[a:b].copy_(buf)
 
 
-def init_parameters(root: nn.Module, seed: int, where: Where = whole) -> None:
-    """Every parameter of `root` (module note), each process drawing only its own rows."""
+def init_parameters(root: nn.Module, seed: int, where: Where = whole,
+                    only: Callable[[str], bool] | None = None) -> None:
+    """Every parameter of `root` (module note), or those whose name `only` accepts (a LoRA run's
+    adapters after its base was loaded), each process drawing only its own rows."""
     rules = collect_rules(root)
     for name, p in root.named_parameters():
-        fill_(where(name, p), rules[name], seed, name)
+        if only is None or only(name):
+            fill_(where(name, p), rules[name], seed, name)
 
 
 def apply_rules(module: nn.Module) -> None:

@@ -28,6 +28,10 @@ DTensors of the global [E, ...] shape on the (ep, edp) checkpoint mesh with plac
 Shard(0)) (distributed/parallelize.py): each rank's bytes land at their global offset, so a checkpoint
 written at (ep, edp) = (2, 2) loads at (2, 1), (1, 2), or one process's plain [E, ...] tensor.
 
+A LoRA run (train.lora, the model's `lora` set) saves and loads what trains (the adapters, a trained
+router), the buffers and the optimizer state, never its frozen base: the base is rebuilt from
+`train.lora.base_from` at every start (runs/lora_base.py), and trainer.pt holds its digest.
+
 RNG: rank 0's generator states are saved and every rank restores them (batches are a function of
 (seed, step, micro-step); the one draw on the device, forced_balance routing, draws the same on
 every rank, so rank 0's states serve all). The routing
@@ -47,6 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -93,11 +98,19 @@ def _convert(model_sd: dict, optim_sd: dict | None, experts: Sequence[str], fn: 
     return model_sd, {**optim_sd, "state": state}
 
 
+def frozen_names(model: torch.nn.Module) -> set[str]:
+    """The frozen base of a LoRA model (module note), which its checkpoints leave out; empty otherwise."""
+    if getattr(model, "lora", None) is None:
+        return set()
+    return {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
 def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, experts: Sequence[str],
                  meshes: Meshes | None) -> dict[str, dict]:
     """{"model", "optim"}: name-keyed state dicts with the experts at their global shape ("model"
-    alone without an optimizer)."""
-    model_sd = get_model_state_dict(model)
+    alone without an optimizer); a LoRA model's without its frozen base."""
+    frozen = frozen_names(model)
+    model_sd = {k: v for k, v in get_model_state_dict(model).items() if k not in frozen}
     optim_sd = get_optimizer_state_dict(model, optimizer) if optimizer is not None else None
     if meshes is not None:
         model_sd, optim_sd = _convert(model_sd, optim_sd, experts, lambda t: _to_global(t, meshes))
@@ -173,7 +186,7 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *
     model_sd, optim_sd = state["model"], state.get("optim")
     if meshes is not None:
         model_sd, optim_sd = _convert(model_sd, optim_sd, experts, lambda t: _to_local(t, meshes))
-    set_model_state_dict(model, model_sd)
+    set_model_state_dict(model, model_sd, options=StateDictOptions(strict=not frozen_names(model)))
     if optim_sd is not None:
         set_optimizer_state_dict(model, optimizer, optim_sd)
         _restore_settings(optimizer, settings)
@@ -187,10 +200,13 @@ def _restore_settings(optimizer: torch.optim.Optimizer, settings: list[dict[str,
 
 def load_full_model(path: Path, model: torch.nn.Module) -> dict[str, Any]:
     """One process, no process group: fill a one-device `model` (all E experts) from a checkpoint
-    written at any world size; returns the trainer state (its "config" builds the model)."""
-    state = {"model": model.state_dict()}
+    written at any world size; returns the trainer state (its "config" builds the model). A LoRA
+    model gets its adapters (its base is filled beforehand: runs/load.py)."""
+    frozen = frozen_names(model)
+    state = {"model": {k: v for k, v in model.state_dict().items() if k not in frozen}}
     _dcp(dcp.load, state, Path(path), distributed=False)
-    model.load_state_dict(state["model"])
+    missing = model.load_state_dict(state["model"], strict=not frozen).missing_keys
+    assert set(missing) <= frozen, missing  # strict=False only lets the frozen base be absent
     return trainer_state(path)
 
 

@@ -16,9 +16,11 @@ from typing import Callable
 import torch
 
 from ..config import ModelConfig, RunConfig, from_dict
+from ..distributed.materialize import Fill
+from ..layers import init
 from ..model import MoEModel
 from . import checkpoint as ckpt
-from . import packed
+from . import lora_base, packed
 
 
 def run_config(run_dir: str | Path) -> tuple[RunConfig, Path]:
@@ -38,17 +40,22 @@ def run_config(run_dir: str | Path) -> tuple[RunConfig, Path]:
 
 def load_model(run_dir: str | Path, device: torch.device | str = "cpu",
                model_cfg: Callable[[ModelConfig], ModelConfig] | None = None,
-               ) -> tuple[MoEModel, RunConfig]:
+               hf_base: Callable[[Path], Fill] | None = None) -> tuple[MoEModel, RunConfig]:
     """The model of a run's latest checkpoint, on `device`, in eval mode, with all E experts, from a
-    DCP checkpoint of any world size or an older one-process `state.pt`."""
+    DCP checkpoint of any world size or an older one-process `state.pt`. A LoRA run's model is its
+    base (train.lora.base_from, runs/lora_base.py; `hf_base` reads an hf: base, hf/load_run.py) with
+    the checkpoint's adapters, its base digest checked."""
     cfg, path = run_config(run_dir)
     if model_cfg is not None:
         cfg.model = model_cfg(cfg.model)  # a new ModelConfig validates itself on construction
     if packed.is_packed_run(run_dir):
         return packed.load_packed(run_dir, cfg, device), cfg
+    lora = cfg.train.lora if cfg.train.lora.enabled else None
     with torch.device("meta"):  # allocated once, on `device`, and filled from the checkpoint alone
-        model = MoEModel(cfg.model)
+        model = MoEModel(cfg.model, lora=lora)
     model.materialize(device)
+    if lora is not None:
+        fill_lora_base(model, cfg, path, hf_base)
     if ckpt.is_dcp_checkpoint(path):
         from . import dist_checkpoint
 
@@ -57,3 +64,24 @@ def load_model(run_dir: str | Path, device: torch.device | str = "cpu",
         model.load_state_dict(ckpt.load_checkpoint(path)["model"])
     model.eval()
     return model, cfg
+
+
+def fill_lora_base(model: MoEModel, cfg: RunConfig, path: Path, hf_base: Callable[[Path], Fill] | None) -> None:
+    """A LoRA model's frozen base, from train.lora.base_from, after checking its digest against the one
+    checkpoint `path` was trained on."""
+    from .dist_checkpoint import trainer_state
+
+    lora = cfg.train.lora
+    lora_base.check_digest(trainer_state(path).get("lora_base"), lora_base.base_digest(lora, cfg.train.seed),
+                           f"{path}")
+    base = lora_base.base_path(lora)
+    with torch.no_grad():
+        if base is None:
+            model.init_weights(cfg.train.seed)
+        elif lora.base_from.startswith("run:"):
+            lora_base.RunBase(base)(model, init.whole)
+        elif hf_base is None:
+            raise ValueError(f"train.lora.base_from={lora.base_from!r}: an hf: base is read by hf/load_run.py "
+                             "(load the run through it)")
+        else:
+            hf_base(base)(model, init.whole)

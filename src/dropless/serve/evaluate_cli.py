@@ -32,7 +32,8 @@ from ..model import MoEModel
 from ..device import resolve_device
 from ..data.windows import Windows
 from .evaluate import DTYPES, val_loss, val_windows
-from ..runs.load import load_model, run_config
+from ..hf.load_run import load_model
+from ..runs.load import run_config
 from .serving import add_serving_args, normalises, serving_map, serving_top_k, weight_denominator
 
 Setting = tuple[int | None, int | None, str]  # (k1, k2, renorm) as given to serving_map

@@ -55,7 +55,7 @@ from ..model import MoEModel
 from ..device import resolve_device
 from ..data.tokenizer import load_tokenizer
 from .evaluate import autocast
-from ..runs.load import load_model
+from ..hf.load_run import load_model
 from .sampling import Sampling, sample_next
 from .serving import add_serving_args, serving_map_from_args
 

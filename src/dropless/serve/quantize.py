@@ -39,7 +39,8 @@ from ..model import MoEModel
 from ..data.windows import Windows
 from ..runs import packed
 from .evaluate import val_loss, val_windows
-from ..runs.load import load_model, run_config
+from ..hf.load_run import load_model
+from ..runs.load import run_config
 
 BATCH_SIZES = (1, 4, 16)
 

@@ -36,7 +36,8 @@ from ..device import resolve_device
 from ..runs.sinks import Progress
 from ..data.tokenizer import load_tokenizer
 from .evaluate import DTYPES, autocast, val_windows
-from ..runs.load import load_model, run_config
+from ..hf.load_run import load_model
+from ..runs.load import run_config
 from ..data.routing_record import MAGIC, RoutingRecord
 
 

@@ -46,7 +46,8 @@ from ..distributed.materialize import Fill
 from ..distributed.watch import watch_step
 from ..layers import balance
 from ..runs import checkpoint as ckpt
-from ..runs import dist_checkpoint
+from ..hf.load_run import base_fill
+from ..runs import dist_checkpoint, lora_base
 from . import compiling
 from .data_source import load_data, with_replay
 from .health import build_health
@@ -74,7 +75,16 @@ class Trainer:
         t = cfg.train
         self.layout = build_layout(cfg, device)
         self.data = load_data(cfg, self.layout)
-        self.layout, self.model = place_model(cfg, self.layout, None if resume else init_weights)
+        fill = None if resume else init_weights
+        self.lora_base: str | None = None
+        if t.lora.enabled:  # the frozen base, at every start (runs/lora_base.py); its digest for checkpoints
+            fill = base_fill(t.lora, progress=cfg.log.progress)
+            self.lora_base = lora_base.base_digest(t.lora, t.seed, progress=cfg.log.progress)
+            latest = ckpt.latest_checkpoint(run_dir) if resume else None
+            if latest is not None:
+                lora_base.check_digest(dist_checkpoint.trainer_state(latest).get("lora_base"), self.lora_base,
+                                       f"--resume from {latest}")
+        self.layout, self.model = place_model(cfg, self.layout, fill)
         lay = self.layout
         # train.compile: the blocks compiled in place (names, state and checkpoints unchanged)
         self.compiled = (compiling.compile_blocks(self.model, lay.device, lay.placement.autocast_dtype)
@@ -105,6 +115,8 @@ class Trainer:
                  "health": dist_checkpoint.gather_health(self.health.state_dict(), lay.distributed)}
         if self.data.replay is not None:
             state["replay"] = self.data.replay.state_dict()
+        if self.lora_base is not None:
+            state["lora_base"] = self.lora_base
         return dist_checkpoint.save(self.run_dir.path, next_step, self.model, self.optimizer, state,
                                     experts=lay.expert_names, meshes=lay.meshes, keep_last=self.cfg.train.keep_last)
 

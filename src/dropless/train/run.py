@@ -3,6 +3,9 @@
     dropless train [--config NAME|FILE] [--set a.b=value ...] [--run-dir DIR] [--resume] [--nproc N]
                    [--replay-routing RECORD] [--init-from hf:DIR]
 
+With `train.lora.rank` set, `--init-from hf:DIR` becomes `train.lora.base_from` (the frozen base the
+adapters train on, reloaded at every start and checked by its digest: runs/lora_base.py).
+
 `--init-from hf:DIR` fine-tunes a Hugging Face Qwen3-MoE, Mixtral or DeepSeek-V3 checkpoint (hf/, docs/models.md): the
 run takes the checkpoint's model (config.json, through hf/mapping.py, including its balancing rule)
 and tokenizer (DIR/tokenizer.json), the preset's train/data/log sections, then the `--set`
@@ -43,7 +46,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from ..config import RunConfig, from_dict, load_config, to_dict
+from ..config import RunConfig, apply_overrides, from_dict, load_config, to_dict
 from ..runs.presets import DEFAULT_PRESET, preset_path
 from ..runs import checkpoint as ckpt
 from ..runs import resume
@@ -116,7 +119,10 @@ def resolve_config(args: argparse.Namespace, path: Path, run_dir: Path, quiet: b
         if source is not None:
             from ..hf import import_hf
 
-            return import_hf.init_config(source, load_config(path), args.overrides)
+            cfg = import_hf.init_config(source, load_config(path), args.overrides)
+            if cfg.train.lora.enabled and not cfg.train.lora.base_from:  # the run names its base (lora_base.py)
+                cfg = apply_overrides(cfg, [f"train.lora.base_from=hf:{source.resolve()}"])
+            return cfg
         return load_config(path, args.overrides)
     latest = ckpt.latest_checkpoint(run_dir)
     if latest is None:
@@ -173,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
 
         source = init_source(args)
         init_weights = None
-        if source is not None:
+        if source is not None and not cfg.train.lora.enabled:  # (a LoRA run loads its base itself)
             from ..hf import import_hf
 
             init_weights = import_hf.weight_loader(source, progress=cfg.log.progress)
