@@ -115,8 +115,9 @@ def check_lora_model(lora: LoRAConfig, model, parallel) -> None:  # ModelConfig,
         if not blocks:
             _fail(f"{f}.targets", lora.targets, f"names {t!r}, but {why}")
     if "experts" in lora.targets and model.moe.precision != "bf16":
-        _fail(f"{f}.targets", lora.targets, f"adapts the routed experts, whose GEMMs model.moe.precision="
-              f"{model.moe.precision!r} quantises; a frozen low-precision base is train.lora.base (QLoRA)")
+        _fail(f"{f}.rank", lora.rank, f"with 'experts' in train.lora.targets and model.moe.precision="
+              f"{model.moe.precision!r}: that recipe quantises the experts' GEMMs, adapters included; a frozen "
+              "low-precision base is train.lora.base (QLoRA)")
     block = BASE_BLOCK.get(lora.base)
     if block:
         routed = (("model.moe.latent_dim", model.moe.latent_dim) if model.moe.latent_dim
@@ -126,5 +127,5 @@ def check_lora_model(lora: LoRAConfig, model, parallel) -> None:  # ModelConfig,
                 _fail(f"{f}.base", lora.base, f"blocks the frozen experts by {block} along both widths; "
                       f"{name}={width} is not a multiple")
     if parallel.replicate_hot_experts and "experts" in lora.targets:
-        _fail(f"{f}.targets", lora.targets, f"adapts the routed experts, with parallel.replicate_hot_experts="
-              f"{parallel.replicate_hot_experts}: the replicas copy base weights only")
+        _fail(f"{f}.rank", lora.rank, f"with 'experts' in train.lora.targets and parallel.replicate_hot_experts="
+              f"{parallel.replicate_hot_experts}: the replicas copy the base weights, not the adapters")

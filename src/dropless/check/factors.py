@@ -98,6 +98,9 @@ FACTORS: list[tuple[str, dict[str, list[str]]]] = [
                                      "parallel.replicate_hot_experts=1", "parallel.replica_interval=1",
                                      "parallel.overlap_shared=false", "parallel.check_collectives=true"]}),
     ("resume_change", {"lr": [], "optimizer": ["stage.resume_optimizer=true"]}),
+    # low-rank adapters on a frozen base (the base: train.seed's weights)
+    ("lora", {"-": [], "attn+experts": ["train.lora.rank=4"],
+              "router+experts": ["train.lora.rank=2", "train.lora.alpha=8", 'train.lora.targets=["router","experts"]']}),
     # data_setup.py makes the files: a prepared folder of the row's corpus; a chat tokenizer and its
     # conversations (longer windows: a conversation is 20-70 tokens; a longer one is cut)
     ("data", {"corpus": [], "doc-mask": ["data.document_mask=true"], "prepared": ["stage.data=prepared"],
@@ -146,6 +149,8 @@ LEFT_OUT = {
         "cannot take (the capacity baseline: ranks install the EP dispatcher at ep_size 1 too) would stop at "
         "launch instead of being refused; tests/distributed/ trains it, with check_collectives on",
     "ep_size 4": "CI has 2 cores: the EP rows are the world-2 rows",
+    "train.lora.layers, dropout, base_from; targets shared, dense, mla_low_rank": "they depend on other factors' "
+        "values (which blocks are MoE, shared experts, MLA) or on a base on disk; tests/test_lora*.py cover them",
     "train.device cuda, train.deterministic": "the CPU CI trains deterministically on the CPU",
 }
 

@@ -66,6 +66,7 @@ MODULES = {
     "routing-mismatch": "dropless.serve.mismatch", "quantize": "dropless.serve.quantize",
     "plan": "dropless.plan.cli", "export-hf": "dropless.hf.export_hf", "import-hf": "dropless.hf.import_cli",
     "bench generate": "dropless.bench.generate", "prepare-data": "dropless.data.prepare",
+    "merge-lora": "dropless.hf.merge_lora",
 }
 
 

@@ -246,18 +246,29 @@ def quantize_report(ctx: Ctx) -> None:
 
 
 def export(ctx: Ctx) -> None:
+    """export-hf of the run; a LoRA run is merged first (merge-lora), and that merged run exported."""
     family = hf_check.family(ctx.cfg.model)
-    out = ctx.root / "hf"
-    ctx.call("export-hf", ctx.run, "--out", out, "--family", family or hf_check.FALLBACK, "--no-progress")
+    out, run = ctx.root / "hf", _full_run(ctx)
+    ctx.call("export-hf", run, "--out", out, "--family", family or hf_check.FALLBACK, "--no-progress")
     expect(family is not None, "exported a model no family can express")
-    ctx.notes.setdefault("export", []).append(hf_check.load_export(ctx.run, out))
+    ctx.notes.setdefault("export", []).append(hf_check.load_export(run, out))
+
+
+def _full_run(ctx: Ctx) -> Path:
+    """The run itself, or a LoRA run's adapters merged into its base (once)."""
+    if not ctx.cfg.train.lora.enabled:
+        return ctx.run
+    merged = ctx.root / "merged"
+    if not merged.exists():
+        ctx.call("merge-lora", ctx.run, "--out", merged, "--no-progress")
+    return merged
 
 
 def import_hf(ctx: Ctx) -> None:
     out = ctx.root / "imported"
     source = hf_check.with_byte_tokenizer(ctx.root / "hf", ctx.root / "hf-tok")
     ctx.call("import-hf", source, "--out", out, "--no-progress")
-    hf_check.compare_runs(ctx.run, out)
+    hf_check.compare_runs(_full_run(ctx), out)
 
 
 def plan(ctx: Ctx) -> None:

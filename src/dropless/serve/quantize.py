@@ -157,6 +157,9 @@ def quantize_run(run_dir: str | Path, fmt: str, out: str | Path) -> Path:
     if packed.is_packed_run(run_dir):
         raise ValueError(f"RUN_DIR={str(run_dir)!r} is already a packed run; quantise the original run")
     cfg, path = run_config(run_dir)
+    if cfg.train.lora.enabled:  # its experts are a base plus adapters: packing the base alone drops them
+        raise ValueError(f"train.lora.rank={cfg.train.lora.rank}: {run_dir} is a LoRA run; merge it first "
+                         "(dropless merge-lora RUN --out RUN2) and quantise RUN2")
     shapes = packed.meta_model(cfg.model)  # the widths as the modules have them, nothing allocated
     if not shapes.moe_layers():
         raise ValueError(f"model.n_dense_layers={cfg.model.n_dense_layers} = model.n_layers: the run has "
@@ -197,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {out} ({args.experts} routed experts)", file=sys.stderr)
         if args.report:
             original, cfg = load_model(args.run_dir, "cpu")
+            if original.lora is not None:  # (as quantize_run: the packed experts would drop the adapters)
+                raise ValueError(f"train.lora.rank={cfg.train.lora.rank}: {args.run_dir} is a LoRA run; merge "
+                                 "it first (dropless merge-lora RUN --out RUN2) and report on RUN2")
             if args.out is not None:  # the written directory, loaded back as evaluate would
                 variants = {args.experts: load_model(args.out, "cpu")[0]}
             else:
