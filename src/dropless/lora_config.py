@@ -70,8 +70,9 @@ class LoRAConfig:
             _fail(f"{f}.dropout", self.dropout, "with 'experts' in train.lora.targets: the routed experts' "
                   "adapters run inside the grouped GEMM path, which has no dropout (as peft's parameter "
                   "targets); set 0, or leave 'experts' out")
-        if not self.rank and (self.base != "fp32" or self.base_from):
-            _fail(f"{f}.base", self.base, "applies to a LoRA run only (set train.lora.rank)")
+        for name, off in (("base", "fp32"), ("base_from", "")):
+            if not self.rank and getattr(self, name) != off:
+                _fail(f"{f}.{name}", getattr(self, name), "applies to a LoRA run only (set train.lora.rank)")
 
     @property
     def enabled(self) -> bool:
