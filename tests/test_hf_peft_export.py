@@ -11,12 +11,15 @@ four models must compute the same logits and the same greedy tokens (3 prompts, 
 The Qwen3-MoE run adapts a subset of layers (0: dense, 2: MoE; layer 1 left alone, which peft must
 leave alone too) with attention, dense MLP, routed experts and a trained router; the DeepSeek-V3 run
 adapts every layer's MLA (both latent projections too), shared experts, dense MLP and routed
-experts, and its loss-free balancing moves the routers' bias, which the folder must carry.
+experts, and its loss-free balancing moves the routers' bias, which the folder must carry; the
+Mixtral run adapts attention and routed experts and trains the routers (peft converts Mixtral's
+config by its own table, w1/w3/w2).
 
 Tolerance: REFERENCE[fp32] (tests/tolerances.py): the four compute one function in fp32 and differ
 in the order of the same products (peft's parameter targets add s B A to the weight before the
 product, dropless multiplies by the adapter apart; merging adds it once; a fused qkv GEMM against
-three). Measured worst logit difference 1.5e-7 on logits of size ~1.
+three). Measured worst logit difference, peft against the LoRA run: 1.2e-7 (Qwen3-MoE), 1.5e-7
+(DeepSeek-V3).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_models import VOCAB, deepseek_config, qwen3_config, save_hf, transformers
+from hf_models import VOCAB, deepseek_config, mixtral_config, qwen3_config, save_hf, transformers
 from tolerances import REFERENCE, assert_close
 
 from dropless.cli import main as cli
@@ -48,6 +51,7 @@ STEPS = ["train.steps=4", "train.warmup_steps=0", "train.batch_size=2", "train.s
 CASES = {  # family: (config builder, train.lora overrides)
     "qwen3_moe": (qwen3_config, ['train.lora.targets=["attn","dense","experts","router"]', "train.lora.layers=[0,2]"]),
     "deepseek_v3": (deepseek_config, ['train.lora.targets=["attn","mla_low_rank","shared","dense","experts"]']),
+    "mixtral": (mixtral_config, ['train.lora.targets=["attn","experts","router"]']),
 }
 NEW_TOKENS = 64
 
@@ -130,6 +134,8 @@ def test_adapters_load_in_peft_and_compute_the_run(lora_run: tuple[str, Path, Pa
     if family == "qwen3_moe":  # layer 1 (MoE) is not in train.lora.layers
         assert not any(".layers.1." in n for n in lora_names)
         assert config["modules_to_save"] == ["model.layers.2.mlp.gate"]  # the trained router
+    elif family == "mixtral":  # every layer's router trained (transformers 5's name: mlp.gate)
+        assert config["modules_to_save"] == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
     else:  # the routers did not train, but their balancing bias moved: saved with the base's weight
         assert config["modules_to_save"] == ["model.layers.1.mlp.gate", "model.layers.2.mlp.gate"]
         base_model = hf_base(base)
@@ -163,10 +169,10 @@ def test_a_lora_run_exports_only_as_adapters(lora_run: tuple[str, Path, Path], t
     assert cli(["export-hf", str(run), "--out", str(tmp_path / "out"), "--family", family, "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "a LoRA run (train.lora.rank=4)" in err and "--adapters-only" in err and "dropless merge-lora" in err
-    other = "mixtral"  # (neither run fits it: q/k norm, or MLA)
+    other = "deepseek_v3" if family == "mixtral" else "mixtral"  # (a family the run's model does not fit)
     assert cli(["export-hf", str(run), "--out", str(tmp_path / "out"), "--family", other, "--adapters-only",
                 "--no-progress"]) == 2
-    assert "mixtral cannot express it" in capsys.readouterr().err
+    assert f"{other} cannot express it" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
 
 
