@@ -1,7 +1,7 @@
 """`dropless export-hf RUN_DIR --out DIR --family qwen3_moe|mixtral|deepseek_v3`: a run as a Hugging Face checkpoint.
 
     dropless export-hf RUN_DIR --out DIR --family qwen3_moe|mixtral|deepseek_v3 [--dtype fp32|bf16]
-                       [--max-shard-size-mb N] [--no-progress]
+                       [--max-shard-size-mb N] [--no-progress] [--adapters-only]
 
 Writes `config.json`, the weights as safetensors shards of at most N MiB with
 `model.safetensors.index.json` (one `model.safetensors` when they fit in one), and the run's tokenizer
@@ -13,6 +13,10 @@ The names and layouts are hf/mapping.py's table read backwards: the per-expert l
 `save_pretrained` writes. A dropless config the family cannot express (sigmoid scores, group-limited
 routing, an expert bias, shared experts, ...) is a ValueError naming the field, before anything is
 written; the folder is assembled hidden and renamed into place at the end.
+
+A LoRA run (train.lora) holds adapters and no base: `--adapters-only` writes them as a peft adapter
+folder (hf/peft_export.py); without it the export refuses and names both ways (that, or merge-lora
+first, whose merged run exports as any run).
 
 Multi-token prediction modules (`model.mtp_depth` > 0, layers/mtp.py): with MoE blocks
 (`model.mtp_block = "moe"`) a deepseek_v3 export writes them as DeepSeek-V3's MTP layers after the
@@ -134,8 +138,9 @@ def tokenizer_folder(tokenizer: str, tokenizer_path: str | None) -> Path | None:
 
 
 def export(run_dir: str | Path, out: str | Path, family: str, dtype: str = "fp32",
-           max_shard_mb: float = 5000.0, progress: bool = False) -> list[str]:
-    """Export the latest checkpoint of `run_dir` (module note); returns the files written."""
+           max_shard_mb: float = 5000.0, progress: bool = False, adapters_only: bool = False) -> list[str]:
+    """Export the latest checkpoint of `run_dir` (module note), or a LoRA run's adapters alone
+    (`adapters_only`, hf/peft_export.py); returns the files written."""
     from ..runs.load import run_config
 
     if dtype not in DTYPES:
@@ -148,8 +153,16 @@ def export(run_dir: str | Path, out: str | Path, family: str, dtype: str = "fp32
 
     if packed.is_packed_run(run_dir):
         raise ValueError(f"{run_dir}: a quantized run (4-bit experts); export the run it was quantized from")
-    cfg, path = run_config(run_dir)
     torch_dtype, name = DTYPES[dtype]
+    if adapters_only:
+        from .peft_export import export_adapters
+
+        return export_adapters(run_dir, out, family, torch_dtype, progress)
+    cfg, path = run_config(run_dir)
+    if cfg.train.lora.enabled:
+        raise ValueError(f"{run_dir}: a LoRA run (train.lora.rank={cfg.train.lora.rank}), whose checkpoint holds "
+                         "its adapters and not the base: export the adapters as a peft folder (--adapters-only), "
+                         f"or merge them first (dropless merge-lora {run_dir} --out RUN2) and export RUN2")
     hf_cfg = mapping.hf_config(cfg.model, family, name)  # refuses what the family cannot express
     tok = tokenizer_folder(cfg.data.tokenizer, cfg.data.tokenizer_path)
     if tok is not None and not (tok / "tokenizer.json").is_file():
@@ -190,10 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="fp32", help="fp32 | bf16 (the stored weights)")
     p.add_argument("--max-shard-size-mb", type=float, default=5000.0, help="largest shard, MiB")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--adapters-only", action="store_true",
+                   help="a LoRA run's adapters as a peft adapter folder (adapter_config.json, adapter_model.safetensors)")
     args = p.parse_args(argv)
     try:
         files = export(args.run_dir, args.out, args.family, args.dtype, args.max_shard_size_mb,
-                       progress=not args.no_progress)
+                       progress=not args.no_progress, adapters_only=args.adapters_only)
     except (ValueError, FileNotFoundError) as err:
         print(f"dropless export-hf: error: {err}", file=sys.stderr)
         return 2

@@ -179,10 +179,11 @@ def main(argv: list[str] | None = None) -> int:
 
         source = init_source(args)
         init_weights = None
-        if source is not None and not cfg.train.lora.enabled:  # (a LoRA run loads its base itself)
+        if source is not None:
             from ..hf import import_hf
 
-            init_weights = import_hf.weight_loader(source, progress=cfg.log.progress)
+            if not cfg.train.lora.enabled:  # (a LoRA run loads its base itself)
+                init_weights = import_hf.weight_loader(source, progress=cfg.log.progress)
         trainer = Trainer(cfg, run_dir, resume=args.resume, init_weights=init_weights)
     except (ValueError, FileNotFoundError) as err:
         print(f"dropless train: error: {err}", file=sys.stderr)
