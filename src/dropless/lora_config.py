@@ -125,6 +125,15 @@ def check_lora_model(lora: LoRAConfig, model, parallel) -> None:  # ModelConfig,
             if width % block:
                 _fail(f"{f}.base", lora.base, f"blocks the frozen experts by {block} along both widths; "
                       f"{name}={width} is not a multiple")
+    if lora.base != "fp32" and model.moe.precision != "bf16":
+        _fail(f"{f}.base", lora.base, f"holds the frozen experts narrow, and model.moe.precision="
+              f"{model.moe.precision!r} would quantise their GEMMs again: set it to 'bf16'")
+    if block and parallel.ep_size > 1:
+        _fail(f"{f}.base", lora.base, f"packs the frozen experts in one process only (with parallel.ep_size="
+              f"{parallel.ep_size} FSDP2 holds them as DTensors, layers/frozen_base.py); use 'bf16'")
+    if lora.base != "fp32" and parallel.replicate_hot_experts:
+        _fail(f"{f}.base", lora.base, f"holds the frozen experts narrow, with parallel.replicate_hot_experts="
+              f"{parallel.replicate_hot_experts}: the replicas copy full-precision parameters")
     if parallel.replicate_hot_experts and "experts" in lora.targets:
         _fail(f"{f}.targets", lora.targets, f"adapts the routed experts, with parallel.replicate_hot_experts="
               f"{parallel.replicate_hot_experts}: the replicas copy base weights only")
