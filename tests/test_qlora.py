@@ -24,6 +24,7 @@ from dropless.model import MoEModel
 from dropless.ops import frozen_linear
 from dropless.ops.quant import fake_quantize, quantize
 from dropless.runs.presets import preset_path
+from tests.tolerances import REFERENCE, assert_close
 
 # 3 blocks (one dense, two MoE with a shared expert), widths that the 32-blocks and 16-blocks divide
 SIZES = ["model.n_layers=3", "model.d_model=64", "model.n_heads=4", "model.moe.num_experts=4",
@@ -114,6 +115,21 @@ def test_base_computes_the_fake_quantised_model(base: str, targets: str, autocas
     assert grads.keys() == ref_grads.keys() and grads
     for name in grads:
         assert torch.equal(grads[name], ref_grads[name]), name
+
+
+@pytest.mark.parametrize("base", ["bf16", "mxfp4"])
+def test_decode_sized_calls_read_the_base_too(base: str) -> None:
+    """Without autograd and with a batch's worth of tokens the MoE layers take the decode path
+    (layers/decode_experts.py), which reads the expert stacks in place; with a base held narrow they
+    stay on the grouped path: the reference's logits (whose experts take the decode path, the same
+    products in another order: REFERENCE)."""
+    model = build(base, '["attn"]')
+    held = {n: p.detach().clone() for n, p in model.named_parameters()}
+    frozen_base.pack_frozen_base(model, base)
+    ref = reference(held, base, '["attn"]')
+    with torch.no_grad():
+        x = tokens()[:, :1]
+        assert_close(model(x).logits, ref(x).logits, REFERENCE[torch.float32])
 
 
 @pytest.mark.parametrize("base", BASES)
