@@ -57,6 +57,7 @@ import torch
 from torch import nn
 
 from ..ops import frozen_linear
+from ..ops.lora_experts import Dequant
 from ..ops.quant import QTensor, dequantize, quantize
 from .experts import GroupedExperts
 from .packed_experts import pack_weight, unpack_weight
@@ -123,7 +124,7 @@ class BaseReader:
     def __init__(self, experts: GroupedExperts, base: str) -> None:
         self.experts, self.base = experts, base
 
-    def __call__(self, dtype: torch.dtype):
+    def __call__(self, dtype: torch.dtype) -> Dequant:
         return lambda: self.weights(dtype)
 
     def weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
