@@ -18,8 +18,11 @@ Targets (names, not module paths, so one list serves every architecture):
 `base` is how the frozen routed experts are stored (QLoRA when 4-bit): "fp32" as loaded, "bf16",
 "fp8" (e4m3 with one power-of-two scale per 32 weights, MXFP8), "mxfp4" or "nvfp4" (the packed
 formats of layers/packed_experts.py); with any of them but fp32 the other frozen matrices are held
-in bf16. `base_from` names the base ("hf:DIR", "run:DIR", or "" for the initial weights of
-train.seed); checkpoints hold the adapters and a checksum of the base, never the base.
+in bf16 (layers/frozen_base.py: the bf16 matrices at construction, the packed experts by
+`pack_frozen_base` after the fill; a packed base needs one process, every narrow base full-precision
+expert GEMMs and no hot-expert replicas: check_lora_model). `base_from` names the base ("hf:DIR",
+"run:DIR", or "" for the initial weights of train.seed); checkpoints hold the adapters and a
+checksum of the base, never the base.
 """
 
 from __future__ import annotations
@@ -93,7 +96,10 @@ BASE_BLOCK = {"fp8": 32, "mxfp4": 32, "nvfp4": 16}
 
 def check_lora_model(lora: LoRAConfig, model, parallel) -> None:  # ModelConfig, ParallelConfig
     """What `train.lora` asks of the model (called by RunConfig): every target exists in a chosen
-    block, the layers exist, the expert widths fit the base format. ValueError naming the field."""
+    block, the layers exist, the expert widths fit the base format, and a base held narrow runs
+    where it can (packed: ep_size 1, since every distributed run holds the experts as FSDP2 DTensors;
+    the world size is not known here, so `pack_frozen_base` refuses a DTensor too). ValueError
+    naming the field."""
     if not lora.enabled:
         return
     f = "train.lora"
@@ -127,6 +133,15 @@ def check_lora_model(lora: LoRAConfig, model, parallel) -> None:  # ModelConfig,
             if width % block:
                 _fail(f"{f}.base", lora.base, f"blocks the frozen experts by {block} along both widths; "
                       f"{name}={width} is not a multiple")
+    if lora.base != "fp32" and model.moe.precision != "bf16":
+        _fail(f"{f}.base", lora.base, f"holds the frozen experts narrow, and model.moe.precision="
+              f"{model.moe.precision!r} would quantise their GEMMs again: set it to 'bf16'")
+    if block and parallel.ep_size > 1:
+        _fail(f"{f}.base", lora.base, f"packs the frozen experts in one process only (with parallel.ep_size="
+              f"{parallel.ep_size} FSDP2 holds them as DTensors, layers/frozen_base.py); use 'bf16'")
+    if lora.base != "fp32" and parallel.replicate_hot_experts:
+        _fail(f"{f}.base", lora.base, f"holds the frozen experts narrow, with parallel.replicate_hot_experts="
+              f"{parallel.replicate_hot_experts}: the replicas copy full-precision parameters")
     if parallel.replicate_hot_experts and "experts" in lora.targets:
         _fail(f"{f}.rank", lora.rank, f"with 'experts' in train.lora.targets and parallel.replicate_hot_experts="
               f"{parallel.replicate_hot_experts}: the replicas copy the base weights, not the adapters")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from .layers import frozen_base
 from .layers import lora as lora_layers
 from .layers.attention import Attention
 from .layers.mla import LatentAttention
@@ -57,11 +58,14 @@ def trains(name: str, lora: LoRAConfig) -> bool:
 
 
 def freeze(model: nn.Module, lora: LoRAConfig | None) -> None:
-    """Every parameter that does not train stops requiring a gradient (nothing when LoRA is off)."""
+    """Every parameter that does not train stops requiring a gradient, and the frozen base is held as
+    train.lora.base says (layers/frozen_base.py: bf16 matrices, on meta before any fill; the packed
+    experts come later, `pack_frozen_base` after the fill). Nothing when LoRA is off."""
     if lora is None or not lora.enabled:
         return
     for name, p in model.named_parameters():
         p.requires_grad_(trains(name, lora))
+    frozen_base.hold_frozen_base(model, lora.base)
 
 
 def trainable_names(model: nn.Module) -> list[str]:

@@ -32,8 +32,9 @@ Applies only where the layer is a plain single-device dropless layer in its weig
 (the quantised recipes quantise per expert group), no autocast (the grouped path casts all E
 matrices to the autocast dtype; doing that here would cost more than it saves), no capacity layout
 (it drops pairs by position in the expert's group), token-choice-shaped decisions (no validity
-mask), no LoRA adapters on the experts (train.lora), a dispatcher that allows it (`Dispatcher.allows_decode_path`: the local dropless one; expert
-parallel moves pairs between ranks), and no detailed statistics (they read the expert-ordered rows).
+mask), no LoRA adapters on the experts and no frozen base held narrow (train.lora), a dispatcher
+that allows it (`Dispatcher.allows_decode_path`: the local dropless one; expert parallel moves
+pairs between ranks), and no detailed statistics (they read the expert-ordered rows).
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def applies(experts: torch.nn.Module, dispatcher: Dispatcher, decision: RoutingD
         max_tokens = default_max_tokens(dev) if not torch.is_grad_enabled() else 0
     autocast = autocast_available(dev.type) and torch.is_autocast_enabled(dev.type)
     return (0 < n_tokens <= max_tokens and not autocast and type(experts) is GroupedExperts
-            and not has_expert_adapters(experts)
+            and not has_expert_adapters(experts) and experts.dequant_base is None
             and decision.valid_TK is None and not detailed_stats
             and experts.precision == quant_gemm.FULL_PRECISION
             and dispatcher.allows_decode_path)

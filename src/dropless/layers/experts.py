@@ -24,6 +24,12 @@ re-gathered and the activation recomputed in the backward: docs/memory.md). That
 h, silu(gate) and the activation kept), kept for comparison (`bench memory`'s
 `dropless_keep_act`); the capacity layout (padded_bmm) and the low-precision recipes always take it.
 
+A frozen base held narrow (train.lora.base, layers/frozen_base.py) sets `dequant_base`: the forward
+passes w1 = w2 = None and `run_experts` asks `dequant_base(compute dtype)` for a callable that
+returns the weights, which the lean and LoRA Functions call in the forward and again in the backward
+(never keeping them); the plain composition (capacity layout, low-precision recipes, `lean = False`)
+calls it once and autograd keeps what it returns.
+
 `row_align` is the row alignment the GEMMs need from a dispatcher: the low-precision recipes quantise
 the wgrad operands in blocks along tokens, so every expert group must be whole token blocks
 (`quant_gemm.plan_align`); full precision needs none. The dispatchers take it via
@@ -43,7 +49,7 @@ from ..ops.activations import activation, is_gated, weighted_swiglu
 from ..ops.autocast import autocast_available
 from ..ops.lean_experts import BACKENDS as LEAN_BACKENDS
 from ..ops.lean_experts import RowSource, lean_experts
-from ..ops.lora_experts import lora_experts, lora_experts_reference
+from ..ops.lora_experts import Dequant, lora_experts, lora_experts_reference
 from . import init, lora
 
 
@@ -72,6 +78,9 @@ def resolve_backend(backend: str, capacity_mode: bool) -> str:
 
 
 class GroupedExperts(nn.Module):
+    # a frozen base held narrow (layers/frozen_base.py): dtype -> Dequant; None: the parameters
+    dequant_base: Callable[[torch.dtype], Dequant] | None = None
+
     def __init__(self, num_experts: int, d_model: int, d_expert: int, kind: str = "swiglu",
                  clamp: float | None = None, softcap: float | None = None, backend: str = "grouped_mm",
                  precision: str = "bf16") -> None:
@@ -88,14 +97,22 @@ class GroupedExperts(nn.Module):
         self.reset_parameters()
 
     def init_rules(self) -> dict[str, init.Rule]:
-        """N(0, 1/fan_in) for both stacks (layers/init.py)."""
-        return {"w_gate_up_EDF": init.normal(self.w_gate_up_EDF.shape[1] ** -0.5),
-                "w_down_EFD": init.normal(self.w_down_EFD.shape[1] ** -0.5), **lora.expert_adapter_rules(self)}
+        """N(0, 1/fan_in) for both stacks (layers/init.py); packed stacks (frozen_base.py) are buffers."""
+        rules = lora.expert_adapter_rules(self)
+        for name in ("w_gate_up_EDF", "w_down_EFD"):
+            if name in self._parameters:
+                rules[name] = init.normal(self._parameters[name].shape[1] ** -0.5)
+        return rules
 
     def reset_parameters(self) -> None:
         init.apply_rules(self)
 
     def forward(self, batch: ExpertBatch) -> torch.Tensor:
+        if self.dequant_base is not None:  # run_experts reads the frozen base through it
+            if batch.grow is not None:
+                raise ValueError("hot-expert replicas copy the experts' parameters; a frozen base held "
+                                 "narrow has none to copy (train.lora.base with parallel.replicate_hot_experts)")
+            return run_experts(self, batch.x_RD, None, None, batch)
         w_up, w_down = self.w_gate_up_EDF, self.w_down_EFD
         if batch.grow is not None:
             w_up, w_down = batch.grow(w_up, w_down)
@@ -130,22 +147,31 @@ def runs_lean(spec: GroupedExperts | nn.Module) -> bool:
     return fused or not torch.compiler.is_compiling()
 
 
-def run_experts(spec: GroupedExperts | nn.Module, x_RD: torch.Tensor, w1_EDW: torch.Tensor,
-                w2_EFD: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:
+def run_experts(spec: GroupedExperts | nn.Module, x_RD: torch.Tensor, w1_EDW: torch.Tensor | None,
+                w2_EFD: torch.Tensor | None, batch: ExpertBatch) -> torch.Tensor:
     """The expert MLP over a batch: autocast cast, first GEMM, (weighted) activation, down GEMM.
     `spec` supplies kind, clamp, softcap, backend and precision (GroupedExperts, or PackedExperts with
-    its dequantised weights and the batch cut to the experts that have rows)."""
+    its dequantised weights and the batch cut to the experts that have rows). w1 = w2 = None: the
+    frozen base comes from `spec.dequant_base` in the compute dtype (module note)."""
     dev = x_RD.device.type
-    if autocast_available(dev) and torch.is_autocast_enabled(dev):
+    autocast = autocast_available(dev) and torch.is_autocast_enabled(dev)
+    dequant = None
+    if w1_EDW is None:  # the compute dtype: autocast's, else the rows' (a bf16 base in an fp32 run: fp32)
+        if autocast:
+            x_RD = x_RD.to(torch.get_autocast_dtype(dev))
+        dequant = spec.dequant_base(x_RD.dtype)
+    elif autocast:
         dtype = torch.get_autocast_dtype(dev)
         x_RD, w1_EDW, w2_EFD = x_RD.to(dtype), w1_EDW.to(dtype), w2_EFD.to(dtype)
     elif x_RD.dtype != w1_EDW.dtype:
         x_RD = x_RD.to(w1_EDW.dtype)
     if lora.has_expert_adapters(spec):
-        return run_lora_experts(spec, x_RD, w1_EDW, w2_EFD, batch)
+        return run_lora_experts(spec, x_RD, w1_EDW, w2_EFD, batch, dequant)
     if runs_lean(spec):
         return lean_experts(x_RD, w1_EDW, w2_EFD, batch.offsets_E, batch.weights_R, batch.source,
-                            spec.kind, spec.clamp, spec.softcap, spec.backend)
+                            spec.kind, spec.clamp, spec.softcap, spec.backend, dequant)
+    if dequant is not None:  # the plain composition: autograd keeps the weights
+        w1_EDW, w2_EFD = dequant()
     h_R2F = expert_gemm(x_RD, w1_EDW, batch, spec.backend, spec.precision)
     if spec.kind == "swiglu" and spec.clamp is None and spec.softcap is None:
         h_RF = weighted_swiglu(h_R2F, batch.weights_R)
@@ -157,17 +183,15 @@ def run_experts(spec: GroupedExperts | nn.Module, x_RD: torch.Tensor, w1_EDW: to
 
 
 def run_lora_experts(spec: GroupedExperts | nn.Module, x_RD: torch.Tensor, w1_EDW: torch.Tensor | None,
-                     w2_EFD: torch.Tensor | None, batch: ExpertBatch) -> torch.Tensor:
+                     w2_EFD: torch.Tensor | None, batch: ExpertBatch, dequant: Dequant | None = None
+                     ) -> torch.Tensor:
     """The adapted expert MLP (train.lora; ops/lora_experts.py): the Function where the lean experts
     run, the plain composition elsewhere (the capacity layout; non-SwiGLU kinds under torch.compile).
-    A packed base (QLoRA) comes as `spec.dequant_base`, with w1 = w2 = None."""
+    A base held narrow (QLoRA) comes as `dequant`, with w1 = w2 = None."""
     adapters = lora.expert_adapters(spec)
     dev = x_RD.device.type
     if autocast_available(dev) and torch.is_autocast_enabled(dev):
         adapters = tuple(t.to(x_RD.dtype) for t in adapters)
-    dequant = getattr(spec, "dequant_base", None)
-    if dequant is not None:
-        dequant = dequant(x_RD.dtype)
     if runs_lean(spec):
         return lora_experts(x_RD, w1_EDW, w2_EFD, adapters, spec.lora_scale, batch.offsets_E, batch.weights_R,
                             batch.source, spec.kind, spec.clamp, spec.softcap, spec.backend, dequant)

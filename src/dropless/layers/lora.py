@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops import frozen_linear
 from . import init
 
 ADAPTER_NAMES = ("lora_A", "lora_B")
@@ -56,11 +57,11 @@ class LoRALinear(nn.Linear):
         return {"lora_A": init.uniform(self.in_features ** -0.5), "lora_B": init.const(0.0)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if w.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
-            w = w.to(x.dtype)  # a frozen base held in bf16 (train.lora.base): computed in x's dtype
-        b = self.bias if self.bias is None or self.bias.dtype == w.dtype else self.bias.to(w.dtype)
-        y = F.linear(x, w, b)
+        w, b = self.weight, self.bias
+        if frozen_linear.applies(x, w, b):  # a frozen base held in bf16 (train.lora.base): computed in
+            y = frozen_linear.frozen_linear(x, w, b)  # x's dtype, the cast copy not kept
+        else:
+            y = F.linear(x, w, b if b is None or b.dtype == w.dtype else b.to(w.dtype))
         xa = F.dropout(x, self.dropout, self.training) if self.dropout else x
         return y + F.linear(F.linear(xa, self.lora_A), self.lora_B) * self.scale
 
@@ -92,7 +93,8 @@ def expert_adapter_rules(experts: nn.Module) -> dict[str, init.Rule]:
     """A as peft starts it, U(+-1/sqrt(fan_in)) (D for gate|up, F for down); B zero."""
     if not has_expert_adapters(experts):
         return {}
-    D, Fx = experts.w_gate_up_EDF.shape[1], experts.w_down_EFD.shape[1]
+    # the widths from the adapters: a packed base (layers/frozen_base.py) has no stacks to read
+    D, Fx = experts.lora_a1_EDr.shape[1], experts.lora_a2_EFr.shape[1]
     return {"lora_a1_EDr": init.uniform(D ** -0.5), "lora_b1_ErW": init.const(0.0),
             "lora_a2_EFr": init.uniform(Fx ** -0.5), "lora_b2_ErD": init.const(0.0)}
 
@@ -107,10 +109,13 @@ def expert_adapters(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor, tor
 
 def merged_expert_weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """(w1 + s a1 b1, w2 + s a2 b2) per expert, fp32 (merge-lora): an [E, D, W] product, formed here
-    once, never in training."""
+    once, never in training. A base held narrow (layers/frozen_base.py) merges into the weights the
+    adapters trained against: its dequantised values."""
     a1, b1, a2, b2 = (t.float() for t in expert_adapters(experts))
     s = experts.lora_scale
-    w1, w2 = experts.w_gate_up_EDF.float(), experts.w_down_EFD.float()
+    read = getattr(experts, "dequant_base", None)
+    w1, w2 = read(torch.float32)() if read is not None else (experts.w_gate_up_EDF.float(),
+                                                             experts.w_down_EFD.float())
     return w1 + torch.bmm(a1, b1) * s, w2 + torch.bmm(a2, b2) * s
 
 

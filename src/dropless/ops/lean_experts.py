@@ -36,11 +36,17 @@ activation. Activations other than plain SwiGLU (geglu, relu2, clamp, softcap) r
 under `torch.enable_grad()` in the backward and differentiate it with autograd: the forward's ops
 again, so the same values. Backends: "grouped_mm" and "loop"; the capacity layout (padded_bmm) and
 the low-precision recipes keep the plain composition (layers/experts.py).
+
+A frozen base held narrow (train.lora.base, layers/frozen_base.py) comes as `dequant`, a zero-arg
+callable returning (w1, w2) in the compute dtype, with w1 = w2 = None: called in the forward and
+again in the backward, so the dequantised weights are never kept between them (as in
+ops/lora_experts.py); a frozen base has no weight gradient.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -152,7 +158,10 @@ class _LeanExperts(torch.autograd.Function):
     def forward(ctx, x_RD: torch.Tensor, x_TD: torch.Tensor | None, src_R: torch.Tensor | None,
                 padded: bool, w1_EDW: torch.Tensor, w2_EFD: torch.Tensor, offsets_E: torch.Tensor,
                 w_R: torch.Tensor | None, kind: str, clamp: float | None, softcap: float | None,
-                backend: str) -> torch.Tensor:
+                backend: str, dequant: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
+                ) -> torch.Tensor:
+        if dequant is not None:
+            w1_EDW, w2_EFD = dequant()
         h_RW = _gemm(x_RD, w1_EDW, offsets_E, backend)
         if _fused(kind, clamp, softcap):
             a_RF, _ = swiglu_forward(h_RW, w_R)
@@ -160,8 +169,10 @@ class _LeanExperts(torch.autograd.Function):
             a_RF = _act(h_RW, w_R, kind, clamp, softcap)
         y_RD = _gemm(a_RF, w2_EFD, offsets_E, backend)
         # x_TD (a reference to the caller's tensor) instead of the [R, D] rows when there is a source
-        ctx.save_for_backward(x_RD if x_TD is None else x_TD, src_R, w1_EDW, w2_EFD, offsets_E, h_RW, w_R)
+        keep_w = (None, None) if dequant is not None else (w1_EDW, w2_EFD)
+        ctx.save_for_backward(x_RD if x_TD is None else x_TD, src_R, *keep_w, offsets_E, h_RW, w_R)
         ctx.spec = (kind, clamp, softcap, backend, padded, x_RD.dtype)
+        ctx.dequant = dequant
         ctx.w_dtype = None if w_R is None else w_R.dtype
         return y_RD
 
@@ -171,6 +182,8 @@ class _LeanExperts(torch.autograd.Function):
         kind, clamp, softcap, backend, padded, x_dtype = ctx.spec
         need = ctx.needs_input_grad
         need_x, need_w1, need_w2, need_wr = need[0], need[4], need[5], need[7]
+        if ctx.dequant is not None:
+            w1, w2 = ctx.dequant()
         dy_RD = dy_RD.contiguous()  # grouped_mm refuses an expanded gradient (grouped_gemm.py)
         dw_R = None
         if _fused(kind, clamp, softcap):
@@ -199,24 +212,28 @@ class _LeanExperts(torch.autograd.Function):
             dw1 = grouped_gemm.grouped_wgrad(x_RD, dh_RW, offsets_E, backend)
             del x_RD
         dx_RD = grouped_gemm.grouped_dgrad(dh_RW, w1, offsets_E, backend) if need_x else None
-        return dx_RD, None, None, None, dw1, dw2, None, dw_R, None, None, None, None
+        return dx_RD, None, None, None, dw1, dw2, None, dw_R, None, None, None, None, None
 
 
 def lean_experts(x_RD: torch.Tensor, w1_EDW: torch.Tensor, w2_EFD: torch.Tensor, offsets_E: torch.Tensor,
                  w_R: torch.Tensor | None = None, source: RowSource | None = None, kind: str = "swiglu",
                  clamp: float | None = None, softcap: float | None = None,
-                 backend: str = "grouped_mm") -> torch.Tensor:
+                 backend: str = "grouped_mm",
+                 dequant: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
     """y_RD = act(x_RD @ w1 per group) * w_R @ w2 per group, keeping only h (module note).
 
     `x_RD` carries the gradient (give the permuted rows, cast to the compute dtype); `source` says
-    how to re-gather them in the backward (None: x_RD itself is kept)."""
+    how to re-gather them in the backward (None: x_RD itself is kept). A frozen base stored narrow:
+    `dequant`, with w1 = w2 = None (module note)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: the lean experts run on {', '.join(BACKENDS)}")
+    if (dequant is None) == (w1_EDW is None):
+        raise ValueError("lean_experts: give the base weights or `dequant`, not both")
     if source is None:
         return _LeanExperts.apply(x_RD, None, None, False, w1_EDW, w2_EFD, offsets_E, w_R, kind, clamp,
-                                  softcap, backend)
+                                  softcap, backend, dequant)
     return _LeanExperts.apply(x_RD, source.x_TD, source.src_R, source.padded, w1_EDW, w2_EFD, offsets_E,
-                              w_R, kind, clamp, softcap, backend)
+                              w_R, kind, clamp, softcap, backend, dequant)
 
 
 def lean_experts_reference(x_RD: torch.Tensor, w1_EDW: torch.Tensor, w2_EFD: torch.Tensor,

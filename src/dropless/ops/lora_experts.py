@@ -22,7 +22,7 @@ product, gradient or temporary exists, forward or backward (tests/ops/test_lora_
 tensors made). The base's gradient is never computed: it is frozen. These are the products autograd
 runs for `lora_experts_reference` on the same backend, in the same order.
 
-A frozen base stored packed (QLoRA, layers/lora.py `PackedBase`) is passed as `dequant`, a callable
+A frozen base stored narrow (QLoRA: train.lora.base, layers/frozen_base.py) is passed as `dequant`, a callable
 that returns (w1, w2) in the compute dtype: called once in the forward and once in the backward, so
 the dequantised weights live only while a GEMM needs them and are never kept between the passes
 (they are the one [E, D, W] temporary of that mode: the base itself, never an update).

@@ -50,6 +50,14 @@ same way. The substitution goes where the
 experts' saved tensors go: nowhere when the experts are recomputed (`moe`, `layer`: the recompute
 repeats the all-to-alls and keeps no dispatched rows, docs/recompute.md), into the host bytes when they
 are offloaded (`layer`, `moe`, `experts`), else into the device bytes.
+
+A LoRA run (train.lora) is measured on the model built with its adapters and its base as held
+(layers/frozen_base.py): what the adapters keep (each LoRALinear its [T, r] product; the routed
+experts h plus two [R, r] products, ops/lora_experts.py) is in the count, and a frozen weight held in
+bf16 is read by autocast without a copy (a frozen fp32 weight still has its bf16 copy kept). A
+packed base is measured as its bf16 stand-in: the lean Functions keep neither (they dequantise
+again in the backward); the plain composition (capacity layout, `lean = False`) would keep a packed
+base's dequantised stacks, which the stand-in, read without a copy under bf16 autocast, does not.
 """
 
 from __future__ import annotations
@@ -63,7 +71,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..config import ModelConfig
+from ..config import LoRAConfig, ModelConfig
+from ..layers import frozen_base, lora as lora_layers
 from ..layers import recompute as recompute_mod
 from ..layers.experts import ExpertBatch, GroupedExperts
 from ..layers.mtp import mtp_loss
@@ -85,13 +94,20 @@ class ActivationBytes:
     n_moe: int
     dense_host: int = 0  # what model.offload moves to host memory, per dense block
     moe_host: int = 0  # per MoE block
+    # measured block by block (a LoRA run: module note): (device, host) of every block, in order;
+    # then dense_block and moe_block are the largest of their kind
+    per_block: tuple[tuple[int, int], ...] = ()
 
     @property
     def host_total(self) -> int:
+        if self.per_block:
+            return sum(h for _, h in self.per_block)
         return self.n_dense * self.dense_host + self.n_moe * self.moe_host
 
     @property
     def total(self) -> int:
+        if self.per_block:
+            return self.head + sum(d for d, _ in self.per_block)
         return self.head + self.n_dense * self.dense_block + self.n_moe * self.moe_block
 
     @property
@@ -165,10 +181,10 @@ def _held_outputs(out: Any) -> list[torch.Tensor]:
     return [t for f in fields(moe) for t in tree_flatten(getattr(moe, f.name))[0] if isinstance(t, torch.Tensor)]
 
 
-def _stream(model: MoEModel, batch: int, seq_len: int) -> torch.Tensor:
+def _stream(model: MoEModel, batch: int, seq_len: int, grad: bool = True) -> torch.Tensor:
     """A block's input: the residual stream as the embedding makes it, [batch, seq_len, D]."""
     w = model.embed.weight
-    return torch.empty(batch, seq_len, w.shape[1], dtype=w.dtype, requires_grad=True)
+    return torch.empty(batch, seq_len, w.shape[1], dtype=w.dtype, requires_grad=grad)
 
 
 def _tables(model: MoEModel, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,10 +192,12 @@ def _tables(model: MoEModel, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     return model.rope_cos[:seq_len], model.rope_sin[:seq_len]
 
 
-def block_bytes(model: MoEModel, block: Block, batch: int, seq_len: int, bf16: bool) -> tuple[int, int]:
+def block_bytes(model: MoEModel, block: Block, batch: int, seq_len: int, bf16: bool,
+                grad_in: bool = True) -> tuple[int, int]:
     """Bytes one of the fake model's blocks keeps for its backward at [batch, seq_len] tokens: (on
-    the device, moved to host by model.offload) (module note)."""
-    x = _stream(model, batch, seq_len)
+    the device, moved to host by model.offload) (module note). `grad_in`: whether its input
+    requires a gradient (not in a LoRA run before the first trainable parameter)."""
+    x = _stream(model, batch, seq_len, grad_in)
     cos, sin = _tables(model, seq_len)
     counter = block.offloader.counter if block.offloader else None
     moved = counter.bytes_to_host if counter else 0  # the model's blocks share one offloader
@@ -246,6 +264,12 @@ def expert_bytes(like: GroupedExperts, num_experts: int, rows: int, bf16: bool, 
     _, width, _ = like.w_gate_up_EDF.shape  # LatentMoE: the experts' rows are latent rows
     experts = GroupedExperts(num_experts, width, like.w_down_EFD.shape[1], like.kind, like.clamp,
                              like.softcap, "grouped_mm", like.precision)
+    if lora_layers.has_expert_adapters(like):  # train.lora: the adapters, as `like` has them
+        lora_layers.add_expert_adapters(experts, like.lora_a1_EDr.shape[2], like.lora_scale)
+    if like.dequant_base is not None:  # a frozen base held narrow (bf16 stand-in: module note)
+        for p in (experts.w_gate_up_EDF, experts.w_down_EFD):
+            p.requires_grad_(False)
+        frozen_base.hold_frozen_base(experts, "bf16")
     x_RD = torch.empty(rows, width, requires_grad=True)
     w_R = torch.empty(rows, requires_grad=True)
     offsets = torch.full((num_experts,), rows, dtype=torch.int32)
@@ -271,32 +295,65 @@ def experts_kept_on(cfg: ModelConfig) -> str:
 
 
 def activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, bf16: bool,
-                     ep_rows: tuple[int, int] | None = None) -> ActivationBytes:
+                     ep_rows: tuple[int, int] | None = None, lora: LoRAConfig | None = None) -> ActivationBytes:
     """Per micro-batch on one rank. `ep_rows`: (local experts L, GEMM rows R) under expert
-    parallelism, None on one device (module note)."""
+    parallelism, None on one device; `lora`: train.lora (module note)."""
     T = batch * seq_len
     with fake_world():
-        model = MoEModel(cfg)
+        model = MoEModel(cfg, lora=lora)
         moe_blocks = [b for b in model.blocks if b.is_moe]
-        dense_blocks = [b for b in model.blocks if not b.is_moe]
-        n_moe, n_dense = len(moe_blocks), len(dense_blocks)
-        dense, dense_host = block_bytes(model, dense_blocks[0], batch, seq_len, bf16) if n_dense else (0, 0)
-        moe, moe_host = block_bytes(model, moe_blocks[0], batch, seq_len, bf16) if n_moe else (0, 0)
-        where = experts_kept_on(cfg)
-        if n_moe and ep_rows is not None and where != "recomputed":
-            L, R = ep_rows
-            layer = moe_blocks[0].ffn
-            E, K = layer.slots.routed, cfg.moe.top_k
-            # the rows the one-device plan gave the experts: every pair, each group padded to the
-            # dispatcher's alignment (a low-precision token block: ops/permute.py's static bound)
-            local_rows = T * K + E * (layer.dispatcher.align - 1)
-            delta = (expert_bytes(layer.experts, L, R, bf16)
-                     - expert_bytes(layer.experts, E, local_rows, bf16, local=True))
-            if where == "host":
-                moe_host += delta
-            else:
-                moe += delta
+        n_moe, n_dense = len(moe_blocks), cfg.n_layers - len(moe_blocks)
+        delta = _ep_delta(cfg, moe_blocks, T, bf16, ep_rows)  # (device, host) per MoE block
+        per_block: list[tuple[int, int]] = []
+        if model.lora is None:  # every block alike: one of each kind
+            kinds = {m: next((b for b in model.blocks if b.is_moe == m), None) for m in (False, True)}
+            each = {m: block_bytes(model, b, batch, seq_len, bf16) if b is not None else (0, 0)
+                    for m, b in kinds.items()}
+        else:
+            per_block = _lora_blocks(model, batch, seq_len, bf16, delta)
+            each = {m: max([pb for b, pb in zip(model.blocks, per_block) if b.is_moe == m], default=(0, 0))
+                    for m in (False, True)}
+            delta = (0, 0)  # in per_block already
+        (dense, dense_host), (moe, moe_host) = each[False], each[True]
+        moe, moe_host = moe + delta[0], moe_host + delta[1]
         head = head_bytes(model, batch, seq_len, bf16)
         head += sum(mtp_bytes(model, k, batch, seq_len - k + 1, bf16) for k in range(1, len(model.mtp) + 1))
     return ActivationBytes(T, head, dense, moe, n_dense, n_moe,
-                           dense_host, moe_host)
+                           dense_host, moe_host, tuple(per_block))
+
+
+def _ep_delta(cfg: ModelConfig, moe_blocks: list[Block], T: int, bf16: bool,
+              ep_rows: tuple[int, int] | None) -> tuple[int, int]:
+    """(device, host) bytes expert parallelism adds to one MoE block (module note)."""
+    where = experts_kept_on(cfg)
+    if not moe_blocks or ep_rows is None or where == "recomputed":
+        return 0, 0
+    L, R = ep_rows
+    layer = moe_blocks[0].ffn
+    E, K = layer.slots.routed, cfg.moe.top_k
+    # the rows the one-device plan gave the experts: every pair, each group padded to the
+    # dispatcher's alignment (a low-precision token block: ops/permute.py's static bound)
+    local_rows = T * K + E * (layer.dispatcher.align - 1)
+    delta = expert_bytes(layer.experts, L, R, bf16) - expert_bytes(layer.experts, E, local_rows, bf16, local=True)
+    return (0, delta) if where == "host" else (delta, 0)
+
+
+def _lora_blocks(model: MoEModel, batch: int, seq_len: int, bf16: bool,
+                 delta: tuple[int, int]) -> list[tuple[int, int]]:
+    """(device, host) of every block of a LoRA model: a block keeps for the backward only what the
+    gradients of the trainable parameters need, so it depends on whether its input requires a
+    gradient (a trainable parameter before it: the embedding never trains) and which of its own
+    parameters train; blocks alike in both are measured once. A block that computes no gradient keeps
+    nothing but the outputs the model holds, and no expert rows under EP."""
+    grad_in, seen, out = False, {}, []
+    for b in model.blocks:
+        trainable = tuple(n for n, p in b.named_parameters() if p.requires_grad)
+        key = (b.is_moe, grad_in, trainable)
+        if key not in seen:
+            dev, host = block_bytes(model, b, batch, seq_len, bf16, grad_in)
+            if b.is_moe and (grad_in or trainable):
+                dev, host = dev + delta[0], host + delta[1]
+            seen[key] = (dev, host)
+        out.append(seen[key])
+        grad_in = grad_in or bool(trainable)
+    return out

@@ -137,9 +137,14 @@ def report(name: str, cfg: RunConfig, world: int, device: int, p: Plan, shown: l
     lines.append(f"{'peak':<13} {p.peak:>18,} {_gib(p.peak):>10}")
     lines += ["", f"activations per micro-batch: head {a.head:,} B; dense block {a.dense_block:,} B x {a.n_dense}; "
               f"MoE block {a.moe_block:,} B x {a.n_moe}; {a.per_token:,.0f} B/token"
+              + ("; blocks measured one by one (train.lora), the largest of each kind shown" if a.per_block else "")
               + (f"; x {p.pipeline} micro-batches in flight" if p.pipeline > 1 else ""),
               f"recompute: {cfg.model.recompute or 'none'}; offload: {cfg.model.offload or 'none'}; "
               f"optimizer: {cfg.train.optimizer}"]
+    lo = cfg.train.lora
+    if lo.enabled:
+        lines.append(f"train.lora: rank {lo.rank}, base {lo.base}: params = {p.params - p.frozen:,} B trainable "
+                     f"(fp32; grads and optimizer state for these only) + {p.frozen:,} B frozen base")
     fits = p.peak <= device
     lines.append(f"device memory {device:,} B ({_gib(device)} GiB): {'fits' if fits else 'does NOT fit'} "
                  f"(peak {100 * p.peak / device:.1f}%)")

@@ -12,8 +12,15 @@ What each component is (the layout is distributed/parallelize.py's: EP, then FSD
   FSDP-sharded over all W ranks, the routed experts first sliced to L experts by EP, then sharded over
   edp. FSDP2 shards dim 0 in ceil(n / W) rows and pads every rank's storage to that, so the busiest
   rank (rank 0) holds ceil(dim0 / W) * rest of every parameter. W = 1 is the plain one-process trainer.
-- grads: fp32, the same shards (FSDP2's reduce-scatter output is padded like the parameters).
-- optimizer: per parameter shard, AdamW's two moments in fp32 (`adamw`, 8 B per element) or bf16
+  A LoRA run (train.lora) is counted from the same model built with its adapters: the trainable
+  parameters (the adapters, the routers when "router" is a target) in fp32, and the frozen base as
+  it is held (layers/frozen_base.py): the meta model already holds its frozen matrices in bf16 for
+  every base but fp32, and the routed experts of a packed base count `frozen_base.stored_bytes`
+  (fp8 1 + 1/32 B per weight, mxfp4 0.5 + 1/32, nvfp4 0.5 + 1/16 and 4 B per expert matrix). The
+  fill's transient (the experts in bf16 until `pack_frozen_base` packs them) is not counted.
+- grads: fp32, the same shards (FSDP2's reduce-scatter output is padded like the parameters); the
+  trainable parameters only.
+- optimizer: per trainable parameter shard, AdamW's two moments in fp32 (`adamw`, 8 B per element) or bf16
   (`adamw_bf16`, 4 B), plus one fp32 step counter per parameter tensor. `muon` is counted as 8 B, an
   upper bound: its matrices hold one fp32 momentum (4 B), only its AdamW parameters hold two.
 - activations: activations.py (measured on fake tensors), times the micro-batches alive at once: 1
@@ -27,8 +34,8 @@ What each component is (the layout is distributed/parallelize.py's: EP, then FSD
   Buffered mode: fixed, factor x the balanced need (parallel.ragged_buffer_factor, capped at the
   worst case; ep_plan.link_capacity). Exact mode: the balanced need itself (uniform routing; a skewed
   step needs more).
-- fsdp_gather: FSDP2's all-gathered (unsharded, fp32: no mixed-precision policy) parameters alive at
-  once: the root unit (embedding, final norm, LM head: the root is not resharded between forward and
+- fsdp_gather: FSDP2's all-gathered (unsharded, in their own dtype: no mixed-precision policy)
+  parameters alive at once: the root unit (embedding, final norm, LM head: the root is not resharded between forward and
   backward) plus two of the largest block's units (the running one and the prefetched next). 0 at W=1.
 - loss_grad: the backward of the loss, the largest transient of many runs: the fp32 gradient of the
   logits [T, V] and its copy in the logits' dtype.
@@ -55,6 +62,7 @@ from ..distributed.ep import AUTO_START_FACTOR
 from ..distributed.ep_plan import link_capacity
 from ..expert_slots import ExpertSlots
 from ..config import apply_overrides
+from ..layers import frozen_base
 from ..model import MoEModel
 from ..ops import quant_gemm
 from .activations import ActivationBytes, activation_bytes
@@ -85,6 +93,7 @@ class Plan:
     activation_detail: ActivationBytes
     pipeline: int = 1  # planner-only folding of a pipeline-parallel recipe (plan/cli.py); 1 in dropless
     offload_host: int = 0  # host bytes model.offload holds (not in peak)
+    frozen: int = 0  # of params: the frozen base of a LoRA run, as held (module note)
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -101,35 +110,55 @@ def _shard(numel: int, dim0: int, ranks: int) -> int:
 
 def _meta_model(cfg: RunConfig) -> MoEModel:
     with torch.device("meta"):
-        return MoEModel(cfg.model)
+        return MoEModel(cfg.model, lora=cfg.train.lora)
+
+
+def _bytes(p: torch.Tensor) -> int:
+    return p.numel() * p.element_size()
 
 
 def shard_elements(cfg: RunConfig, world: int, model: MoEModel | None = None) -> dict[str, int]:
-    """Parameter elements on the busiest rank: {'dense', 'experts', 'tensors'} and the unsharded
-    sizes of the FSDP units for the gather (module note). `model`: cfg's model on the meta device."""
+    """Trainable parameter elements on the busiest rank: {'dense', 'experts', 'tensors'}; the bytes
+    of the frozen ones there ('frozen', a LoRA run's base as held); and the unsharded bytes of the
+    FSDP units for the gather ('root', 'block') (module note). `model`: cfg's model on the meta device."""
     ep = cfg.parallel.ep_size
     edp = world // ep
+    base = cfg.train.lora.base if cfg.train.lora.enabled else "fp32"
+    packed = base in frozen_base.PACKED
+    if packed and world > 1:
+        raise ValueError(f"train.lora.base={base!r}: a packed base is for one process (--world {world}); "
+                         "layers/frozen_base.py")
     model = model or _meta_model(cfg)
-    dense = experts = tensors = 0
+    dense = experts = tensors = frozen = 0
     for name, p in model.named_parameters():  # tied weights are listed once
-        tensors += 1
         dim0 = p.shape[0] if p.dim() else 1
         if name.rsplit(".", 1)[-1] in EXPERT_PARAMS:
             local0 = dim0 // ep
-            experts += _shard(p.numel() // ep, local0, edp if world > 1 else 1)
+            n = _shard(p.numel() // ep, local0, edp if world > 1 else 1)
+            if p.requires_grad:
+                experts += n
+            elif packed:  # one process: the whole local stack, packed
+                frozen += frozen_base.stored_bytes(base, local0, p.shape[1], p.shape[2])
+            else:
+                frozen += n * p.element_size()
+            tensors += p.requires_grad
+            continue
+        n = _shard(p.numel(), dim0, world)
+        if p.requires_grad:
+            dense, tensors = dense + n, tensors + 1
         else:
-            dense += _shard(p.numel(), dim0, world)
+            frozen += n * p.element_size()
     # a tied head weight is the embedding's parameter: once
-    root = sum({id(p): p.numel() for m in (model.embed, model.norm, model.head) for p in m.parameters()}.values())
+    root = sum({id(p): _bytes(p) for m in (model.embed, model.norm, model.head) for p in m.parameters()}.values())
     # a block's gathered units: its own parameters, with the experts cut to this rank's EP slice
     # (the experts and the router are units of their own, gathered while the block runs)
     def block_unit(b: torch.nn.Module) -> int:
-        whole = sum(p.numel() for p in b.parameters())
+        whole = sum(_bytes(p) for p in b.parameters())
         if not b.is_moe:
             return whole
-        return whole - sum(getattr(b.ffn.experts, n).numel() for n in EXPERT_PARAMS) * (ep - 1) // ep
+        return whole - sum(_bytes(getattr(b.ffn.experts, n)) for n in EXPERT_PARAMS) * (ep - 1) // ep
 
-    return {"dense": dense, "experts": experts, "tensors": tensors, "root": root,
+    return {"dense": dense, "experts": experts, "tensors": tensors, "frozen": frozen, "root": root,
             "block": max((block_unit(b) for b in model.blocks), default=0)}
 
 
@@ -206,20 +235,21 @@ def plan(cfg: RunConfig, world: int, pipeline: int = 1) -> Plan:
     tokens = t.batch_size * t.seq_len
     model = _meta_model(cfg)
     el = shard_elements(cfg, world, model)
-    shards = el["dense"] + el["experts"]
-    params = grads = 4 * shards
+    shards = el["dense"] + el["experts"]  # trainable elements
+    grads = 4 * shards
+    params = grads + el["frozen"]
     optimizer = MOMENT_BYTES[t.optimizer] * shards + 4 * el["tensors"]
-    act = activation_bytes(cfg.model, t.batch_size, t.seq_len, bf16, ep_rows(cfg, tokens, world))
+    act = activation_bytes(cfg.model, t.batch_size, t.seq_len, bf16, ep_rows(cfg, tokens, world), t.lora)
     activations = (act.total - act.head) * pipeline + act.head  # the head's micro-batch: once
     offload_host = act.host_total * pipeline  # blocks only: the head has no offload scope
     ep_buf = ep_buffer_bytes(cfg, tokens, bf16, world, model)
-    fsdp = 4 * (el["root"] + 2 * el["block"]) if world > 1 else 0
+    fsdp = el["root"] + 2 * el["block"] if world > 1 else 0
     loss_grad = tokens * model.head.weight.shape[0] * (4 + (2 if bf16 else 0))  # [T, V] logits' gradient
     unit_grad = 4 * (el["dense"] + el["experts"]) // max(cfg.model.n_layers, 1)
     live_grads = grads if t.grad_accum > 1 else min(grads, unit_grad)
     peak = params + optimizer + activations + ep_buf + fsdp + loss_grad + live_grads
     return Plan(world, ep, tokens, bf16, params, grads, optimizer, activations, ep_buf, fsdp, loss_grad,
-                peak, act, pipeline, offload_host)
+                peak, act, pipeline, offload_host, el["frozen"])
 
 
 def with_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
