@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ..config import LoRAConfig, ModelConfig, ParallelConfig
 from ..layers import init
 from ..layers import lora as lora_layers
+from ..layers.frozen_base import pack_frozen_base
 from ..model import MoEModel
 from .mesh import Meshes
 from .parallelize import parallelize_model
@@ -89,4 +90,6 @@ def build_model(cfg: ModelConfig, device: torch.device, seed: int, meshes: Meshe
                 model.init_weights(seed, where, only=lora_layers.is_adapter)
         else:
             model.init_weights(seed, where)
+    if model.lora is not None:  # QLoRA: the frozen experts packed once filled (layers/frozen_base.py)
+        pack_frozen_base(model, model.lora.base)
     return model, names, counts

@@ -18,6 +18,7 @@ import torch
 from ..config import ModelConfig, RunConfig, from_dict
 from ..distributed.materialize import Fill
 from ..layers import init
+from ..layers.frozen_base import pack_frozen_base
 from ..model import MoEModel
 from . import checkpoint as ckpt
 from . import lora_base, packed
@@ -62,6 +63,8 @@ def load_model(run_dir: str | Path, device: torch.device | str = "cpu",
         dist_checkpoint.load_full_model(path, model)
     else:
         model.load_state_dict(ckpt.load_checkpoint(path)["model"])
+    if lora is not None:  # QLoRA: packed as it trained (layers/frozen_base.py), after the adapters loaded
+        pack_frozen_base(model, lora.base)
     model.eval()
     return model, cfg
 

@@ -128,8 +128,12 @@ def dtype_problem(model: nn.Module, autocast_dtype: torch.dtype | None) -> str |
     if autocast_dtype == torch.bfloat16:
         return None
     for layer in model.modules():
-        if isinstance(layer, MoELayer) and layer.experts.backend == "grouped_mm" and \
-                layer.experts.w_gate_up_EDF.dtype != torch.bfloat16:
+        if not isinstance(layer, MoELayer):
+            continue
+        # a frozen base held narrow (train.lora.base, layers/frozen_base.py) computes in the rows' dtype
+        held = getattr(layer.experts, "dequant_base", None) is not None
+        dtype = model.embed.weight.dtype if held else layer.experts.w_gate_up_EDF.dtype
+        if layer.experts.backend == "grouped_mm" and dtype != torch.bfloat16:
             return ("torch's grouped_mm can be traced with bf16 operands only, and this run's experts "
                     "compute in fp32 (train.dtype=fp32, or auto on a CPU without AMX)")
     return None

@@ -120,6 +120,8 @@ def split_params(model: nn.Module) -> dict[nn.Parameter, Split]:
     out: dict[nn.Parameter, Split] = {}
     for module in model.modules():
         if isinstance(module, GroupedExperts):
+            if not hasattr(module, "w_gate_up_EDF"):  # a frozen base held packed (train.lora.base): no update
+                continue
             w1 = module.w_gate_up_EDF
             half = (w1.shape[-1] // 2,) * 2 if is_gated(module.kind) else ()
             out[w1] = Split(batched=True, axis=-1, sizes=half, out_axis=-1)
