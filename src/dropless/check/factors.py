@@ -98,9 +98,11 @@ FACTORS: list[tuple[str, dict[str, list[str]]]] = [
                                      "parallel.replicate_hot_experts=1", "parallel.replica_interval=1",
                                      "parallel.overlap_shared=false", "parallel.check_collectives=true"]}),
     ("resume_change", {"lr": [], "optimizer": ["stage.resume_optimizer=true"]}),
-    # low-rank adapters on a frozen base (the base: train.seed's weights)
+    # low-rank adapters on a frozen base (the base: train.seed's weights), held in bf16, or packed (QLoRA)
     ("lora", {"-": [], "attn+experts": ["train.lora.rank=4"],
-              "router+experts": ["train.lora.rank=2", "train.lora.alpha=8", 'train.lora.targets=["router","experts"]']}),
+              "router+experts-bf16": ["train.lora.rank=2", "train.lora.alpha=8",
+                                      'train.lora.targets=["router","experts"]', "train.lora.base=bf16"],
+              "qlora-mxfp4": ["train.lora.rank=4", "train.lora.base=mxfp4"]}),
     # data_setup.py makes the files: a prepared folder of the row's corpus; a chat tokenizer and its
     # conversations (longer windows: a conversation is 20-70 tokens; a longer one is cut)
     ("data", {"corpus": [], "doc-mask": ["data.document_mask=true"], "prepared": ["stage.data=prepared"],
