@@ -178,6 +178,16 @@ EP_LOWP = EP_REDUCED
 PARALLEL_TRAIN_LOSS = 1e-6
 PARALLEL_TRAIN_GRAD_NORM = 1e-4
 
+# LoRA under EP + FSDP2 against one process (tests/distributed/test_lora_ep.py): the adapters and the
+# trained router after 6 steps of the tiny run (fp32, lr 1e-2), elementwise, in weight units (entries
+# up to 0.43, ulp 3e-8 there). The same re-associated sums as above reach each gradient element; AdamW
+# divides each by its own running rms, so an element's update carries its gradient's relative rounding
+# (a few ulps, more where the element's sum cancels) times lr, every step, and the steps add up.
+# Measured worst: 3.6e-7 (EP 2, buffered), 1.6e-7 (EP 4), 4.6e-7 (EP 2 x edp 2), 5.1e-7 (resumed from
+# EP 4 at EP 2 against the uninterrupted EP-2 run). 5e-6 is 10x. An adapter trained or loaded on the
+# wrong expert is off by its whole value (~0.1), an update of the wrong sign by 2 lr.
+PARALLEL_TRAIN_ADAPTERS = Tol(0.0, 5e-6)
+
 # A packed 4-bit run's validation loss against its unquantised run (`dropless quantize`, fp32
 # evaluation): only the routed experts' weights change, each by its 4-bit rounding (the per-operand
 # floors above), and on the tiny config two steps from initialisation the experts add little to the

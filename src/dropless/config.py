@@ -382,7 +382,7 @@ class RunConfig:
         if self.data.tokenizer == "byte" and self.model.vocab_size < 256:  # (hf: checked on loading it)
             _fail("model.vocab_size", self.model.vocab_size, "is below the 256 ids of data.tokenizer='byte'")
         self.parallel.check_run(self.model.moe, self.train.batch_size * self.train.seq_len, self.train.optimizer)
-        check_lora_model(self.train.lora, self.model, self.parallel)
+        check_lora_model(self.train.lora, self.model, self.parallel, self.train.optimizer)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:

@@ -23,6 +23,9 @@ in bf16 (layers/frozen_base.py: the bf16 matrices at construction, the packed ex
 expert GEMMs and no hot-expert replicas: check_lora_model). `base_from` names the base ("hf:DIR",
 "run:DIR", or "" for the initial weights of train.seed); checkpoints hold the adapters and a
 checksum of the base, never the base.
+
+Optimizers: adamw and adamw_bf16 (state for what trains only). muon is refused: every matrix Muon
+orthogonalises is the frozen base, so the adapters would all take its AdamW half (check_lora_model).
 """
 
 from __future__ import annotations
@@ -94,15 +97,22 @@ class LoRAConfig:
 BASE_BLOCK = {"fp8": 32, "mxfp4": 32, "nvfp4": 16}
 
 
-def check_lora_model(lora: LoRAConfig, model, parallel) -> None:  # ModelConfig, ParallelConfig
-    """What `train.lora` asks of the model (called by RunConfig): every target exists in a chosen
-    block, the layers exist, the expert widths fit the base format, and a base held narrow runs
-    where it can (packed: ep_size 1, since every distributed run holds the experts as FSDP2 DTensors;
-    the world size is not known here, so `pack_frozen_base` refuses a DTensor too). ValueError
-    naming the field."""
+def check_lora_model(lora: LoRAConfig, model, parallel, optimizer: str) -> None:  # ModelConfig, ParallelConfig
+    """What `train.lora` asks of the model and the trainer (called by RunConfig; `optimizer` is
+    train.optimizer): every target exists in a chosen block, the layers exist, the expert widths fit
+    the base format, the optimizer has something of its own to do, and a base held narrow runs where
+    it can (packed: ep_size 1, since every distributed run holds the experts as FSDP2 DTensors; the
+    world size is not known here, so `pack_frozen_base` refuses a DTensor too). ValueError naming
+    the field."""
     if not lora.enabled:
         return
     f = "train.lora"
+    if optimizer == "muon":
+        # Muon orthogonalises the base's weight matrices (train/muon.py split_params), all frozen here;
+        # the adapters' factors and the routers are its AdamW half, so the run would be AdamW under
+        # another name (and orthogonalising a rank-r factor is not what Muon's shape rule is for)
+        _fail("train.optimizer", optimizer, "with train.lora: every matrix Muon orthogonalises is frozen "
+              "base; the adapters would all take its AdamW half. Use train.optimizer='adamw' (or 'adamw_bf16')")
     for i in lora.layers:
         if i >= model.n_layers:
             _fail(f"{f}.layers", lora.layers, f"holds {i}, past model.n_layers={model.n_layers}")

@@ -27,6 +27,12 @@ Order (each step assumes the one before):
 After this every parameter element lives on exactly one rank (dense: one of W dp shards; experts: one
 ep slice, one of edp shards of it), which is what `grad_norm_` and the checkpoints rely on.
 
+LoRA (train.lora): the routed experts' adapters have the experts' dim 0, so they are expert parameters
+like the base (EP-sliced with their experts, FSDP-sharded over edp, in the names returned, their
+gradients divided by ep and their checkpoints at the global [E, ...] shape). The frozen base shares
+every FSDP unit with trainable parameters: FSDP2 reduce-scatters the gradients that exist, and
+`finish_grads_` sees only those (tests/distributed/test_lora_ep.py).
+
 Checkpoints see the experts through a third mesh, (ep, edp) over the same ranks (the transpose of
 the training mesh): with placements (Shard(0), Shard(0)) it describes the global [E, ...] expert
 tensor exactly as it is spread (ep slices first, edp chunks inside them), so a checkpoint written at one

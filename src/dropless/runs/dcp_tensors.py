@@ -19,7 +19,9 @@ the writer transformed (compressed) go through DCP's own load. Nothing is cached
 tensor is the caller's choice.
 
 The model's tensors live under "model." (dist_checkpoint saves {"model": ..., "optim": ...});
-`Tensors` takes and gives the model's own names (`blocks.0.ffn.experts.w_gate_up_EDF`).
+`Tensors` takes and gives the model's own names (`blocks.0.ffn.experts.w_gate_up_EDF`). The optimizer
+state reads the same way with `prefix=OPTIM_STATE_PREFIX`, by the parameter's name and the state's key
+(`blocks.0.ffn.experts.w_gate_up_EDF.exp_avg`), also at its global shape (the experts' included).
 
 An older one-process `state.pt` checkpoint (runs/checkpoint.py) holds the model in one torch.save
 pickle, which cannot be read a piece at a time: `StateTensors` loads it whole and serves the same
@@ -42,6 +44,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from . import checkpoint as ckpt
 
 MODEL_PREFIX = "model."  # dist_checkpoint's key of the model state dict
+OPTIM_STATE_PREFIX = "optim.state."  # ... and of the optimizer's per-parameter state, flattened by DCP
 
 
 @dataclass(frozen=True)
@@ -71,27 +74,28 @@ def check(tensors: Tensors, expected: dict[str, TensorSpec], where: str) -> None
 
 
 class DCPTensors:
-    """One DCP checkpoint folder, read one tensor per `read` (module note)."""
+    """One DCP checkpoint folder, read one tensor per `read` (module note): the model's tensors, or
+    with `prefix=OPTIM_STATE_PREFIX` the optimizer's state."""
 
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
+    def __init__(self, path: str | Path, prefix: str = MODEL_PREFIX) -> None:
+        self.path, self.prefix = Path(path), prefix
         metadata = dcp.FileSystemReader(str(self.path)).read_metadata()
         self.storage = metadata.storage_data or {}  # (name, offsets) -> file, byte offset, length
-        self.specs = {k[len(MODEL_PREFIX):]: TensorSpec(tuple(md.size), md.properties.dtype)
+        self.specs = {k[len(prefix):]: TensorSpec(tuple(md.size), md.properties.dtype)
                       for k, md in metadata.state_dict_metadata.items()
-                      if k.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata)}
+                      if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
 
     def read(self, name: str) -> torch.Tensor:
         """The tensor `name` at its global shape and stored dtype, on the CPU."""
         spec = self.specs[name]
-        pieces = [(idx.offset, info) for idx, info in self.storage.items() if idx.fqn == MODEL_PREFIX + name]
+        pieces = [(idx.offset, info) for idx, info in self.storage.items() if idx.fqn == self.prefix + name]
         if pieces and not any(info.transform_descriptors for _, info in pieces):
             return self._read_pieces(spec, pieces)
         t = torch.empty(spec.shape, dtype=spec.dtype)
         with warnings.catch_warnings():
             # no_dist=True is the intent here: DCP still warns that no process group exists
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({MODEL_PREFIX + name: t}, checkpoint_id=str(self.path), no_dist=True,
+            dcp.load({self.prefix + name: t}, checkpoint_id=str(self.path), no_dist=True,
                      planner=DefaultLoadPlanner())  # strict: a missing key raises (module note)
         return t
 
