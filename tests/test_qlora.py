@@ -29,7 +29,7 @@ from tests.tolerances import REFERENCE, assert_close
 # 3 blocks (one dense, two MoE with a shared expert), widths that the 32-blocks and 16-blocks divide
 SIZES = ["model.n_layers=3", "model.d_model=64", "model.n_heads=4", "model.moe.num_experts=4",
          "model.moe.d_expert=32", "model.d_ff_dense=64", "model.moe.n_shared_experts=1",
-         "model.max_seq_len=16", "train.seq_len=16", "train.batch_size=2"]
+         "model.max_seq_len=16", "train.seq_len=16", "train.batch_size=2", "train.optimizer=adamw"]
 ALL = '["attn","experts","shared","dense","router"]'
 BASES = ["bf16", "fp8", "mxfp4", "nvfp4"]
 

@@ -111,8 +111,9 @@ def check_lora_model(lora: LoRAConfig, model, parallel, optimizer: str) -> None:
         # Muon orthogonalises the base's weight matrices (train/muon.py split_params), all frozen here;
         # the adapters' factors and the routers are its AdamW half, so the run would be AdamW under
         # another name (and orthogonalising a rank-r factor is not what Muon's shape rule is for)
-        _fail("train.optimizer", optimizer, "with train.lora: every matrix Muon orthogonalises is frozen "
-              "base; the adapters would all take its AdamW half. Use train.optimizer='adamw' (or 'adamw_bf16')")
+        _fail("train.optimizer", optimizer, f"with train.lora.rank={lora.rank}: every matrix Muon orthogonalises "
+              "is frozen base; the adapters would all take its AdamW half. Use train.optimizer='adamw' (or "
+              "'adamw_bf16')")
     for i in lora.layers:
         if i >= model.n_layers:
             _fail(f"{f}.layers", lora.layers, f"holds {i}, past model.n_layers={model.n_layers}")
