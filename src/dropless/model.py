@@ -53,6 +53,7 @@ from .layers.moe import MoELayer, MoEOutput, MoEStats
 from .layers.mtp import MTPModule, mtp_loss
 from .layers.norm import RMSNorm
 from .layers.rotary import apply_rotary, rotary_at, rotary_tables
+from .ops.head_loss import head_loss
 
 __all__ = ["Attention", "Block", "MoEModel", "ModelOutput", "RMSNorm", "apply_rotary", "rotary_tables"]
 
@@ -148,7 +149,7 @@ class Block(nn.Module):
 
 @dataclass(frozen=True)
 class ModelOutput:
-    logits: torch.Tensor  # B S V
+    logits: torch.Tensor | None  # B S V; None from a `loss_only` call
     loss: torch.Tensor | None  # cross-entropy + weighted MoE losses (what to backpropagate)
     ce_loss: torch.Tensor | None  # nats per token
     moe_loss: torch.Tensor  # sum over MoE layers of each balancing loss times its coefficient
@@ -267,7 +268,7 @@ class MoEModel(nn.Module):
     def forward(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor | None = None,
                 replay_ids: list[torch.Tensor] | None = None, *, positions_BS: torch.Tensor | None = None,
                 cache: KVCache | None = None, valid_BS: torch.Tensor | None = None,
-                segments_BS: torch.Tensor | None = None) -> ModelOutput:
+                segments_BS: torch.Tensor | None = None, loss_only: bool = False) -> ModelOutput:
         """`replay_ids`: per MoE layer, expert ids [B, S, K] to use instead of the router's choice.
 
         Incremental decoding (all optional; the training call passes none):
@@ -279,7 +280,11 @@ class MoEModel(nn.Module):
         - `valid_BS`: bool, False at padding tokens, which real tokens then never attend to.
 
         `segments_BS` (packed documents, not with the above): int64 [B, S], non-decreasing along S, equal
-        values = one document; targets stay the caller's, the cross-entropy is 0 (not NaN) with none left."""
+        values = one document; targets stay the caller's, the cross-entropy is 0 (not NaN) with none left.
+
+        `loss_only` (with targets; a LoRA run's trainer passes it): the cross-entropy from the final
+        hidden states in chunks of tokens (ops/head_loss.py), so the [B, S, V] logits never exist
+        whole; `logits` is then None, the losses are the same up to fp32 reordering."""
         B, S = tokens_BS.shape
         if segments_BS is not None:  # layers/doc_mask.py
             doc_mask.check_call(tokens_BS, segments_BS, cache=cache, positions_BS=positions_BS, valid_BS=valid_BS)
@@ -303,13 +308,19 @@ class MoEModel(nn.Module):
             x = out.x
             if out.moe is not None:
                 moe.append(out.moe)
-        logits = self.head(self.norm(x))
         moe_loss = self.balancing_loss(moe)
-        ce = loss = mtp = None
+        ce = loss = mtp = logits = None
         mtp_moe: list[MoEOutput] = []
+        if loss_only and targets_BS is not None:  # the trainer's call (ops/head_loss.py): no [B, S, V]
+            t = targets_BS.reshape(-1)
+            total = head_loss(self.norm(x).view(B * S, -1), self.head.weight, t)
+            ce = total / (t != doc_mask.IGNORE_INDEX).sum().clamp_min(1)
+        else:
+            logits = self.head(self.norm(x))
         if targets_BS is not None:
-            ce_of = F.cross_entropy if segments_BS is None else doc_mask.packed_cross_entropy  # 0, not NaN
-            ce = ce_of(logits.float().view(B * S, -1), targets_BS.reshape(-1))
+            if ce is None:
+                ce_of = F.cross_entropy if segments_BS is None else doc_mask.packed_cross_entropy  # 0, not NaN
+                ce = ce_of(logits.float().view(B * S, -1), targets_BS.reshape(-1))
             loss = ce + moe_loss
             # the training call only: evaluation reports the main loss alone, generation never runs MTP
             if len(self.mtp) and self.training and cache is None and positions_BS is None and valid_BS is None:

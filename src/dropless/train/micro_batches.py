@@ -55,6 +55,11 @@ class MicroBatches:
     overflow: OverflowGuard | None = None
     data_s: float = 0.0  # host seconds spent drawing micro-batches since the last log row
 
+    @property
+    def loss_only(self) -> bool:
+        """The forward's `loss_only` (model.py): on in a LoRA run (train.lora)."""
+        return self.cfg.train.lora.enabled
+
     def _batch(self, step: int, micro: int) -> Batch:
         t0 = time.perf_counter()  # the draw is host work (a CPU copy, then an async move): no sync
         b = self.data.batch(step, micro)
@@ -78,7 +83,8 @@ class MicroBatches:
         for micro in range(A):
             b = self._batch(step, micro)
             with self.autocast():
-                out = self.model(b.x_BS, b.y_BS, **b.model_kwargs())
+                # a LoRA run (frozen head, a big model): the loss in chunks, no whole logits (ops/head_loss.py)
+                out = self.model(b.x_BS, b.y_BS, **b.model_kwargs(), loss_only=self.loss_only)
             loss, moe_loss = self._with_global_aux(out, pre_counts_LE, b.x_BS.numel())
             (loss / A).backward()
             self.health.add_micro(out)
