@@ -77,6 +77,7 @@ from ..layers import recompute as recompute_mod
 from ..layers.experts import ExpertBatch, GroupedExperts
 from ..layers.mtp import mtp_loss
 from ..model import Block, MoEModel
+from ..ops.head_loss import CHUNK_TOKENS, head_loss
 from ..ops.lean_experts import RowSource
 from ..saved_bytes import saved_bytes
 from .fake_world import fake_world, storage_key
@@ -220,11 +221,13 @@ def block_bytes(model: MoEModel, block: Block, batch: int, seq_len: int, bf16: b
 def head_bytes(model: MoEModel, batch: int, seq_len: int, bf16: bool) -> int:
     """The final norm, LM head and loss of a [batch, seq_len] micro-batch: their saved tensors (the
     last block's output among them only if an op saves it: the fused RMSNorm keeps its normalised
-    copy instead, ops/rms_norm.py) and the logits the model returns."""
+    copy instead, ops/rms_norm.py) and the logits the model returns (none in a LoRA run)."""
     x = _stream(model, batch, seq_len)
     targets = torch.zeros(batch * seq_len, dtype=torch.int64)
 
     def run(x: torch.Tensor) -> torch.Tensor:
+        if model.lora is not None:  # a LoRA run's trainer: the loss in chunks, no logits (ops/head_loss.py)
+            return head_loss(model.norm(x).view(batch * seq_len, -1), model.head.weight, targets)
         logits = model.head(model.norm(x))
         _current_pack()(logits)
         return F.cross_entropy(logits.float().view(batch * seq_len, -1), targets)

@@ -38,7 +38,8 @@ What each component is (the layout is distributed/parallelize.py's: EP, then FSD
   parameters alive at once: the root unit (embedding, final norm, LM head: the root is not resharded between forward and
   backward) plus two of the largest block's units (the running one and the prefetched next). 0 at W=1.
 - loss_grad: the backward of the loss, the largest transient of many runs: the fp32 gradient of the
-  logits [T, V] and its copy in the logits' dtype.
+  logits [T, V] and its copy in the logits' dtype; a LoRA run's loss in chunks (ops/head_loss.py): one
+  chunk's logits, softmax and its cast.
 - offload_host: the host memory (not the device's) that `model.offload` holds between the forward and
   the backward of one micro-batch: what its scopes move (activations.py measures it with the rest).
   Not in the peak. On CUDA the host copies are pinned storages of torch's caching host allocator.
@@ -65,6 +66,7 @@ from ..config import apply_overrides
 from ..layers import frozen_base
 from ..model import MoEModel
 from ..ops import quant_gemm
+from ..ops.head_loss import CHUNK_TOKENS
 from .activations import ActivationBytes, activation_bytes
 
 COMPONENTS = ("params", "grads", "optimizer", "activations", "ep_buffers", "fsdp_gather", "loss_grad",
@@ -244,7 +246,10 @@ def plan(cfg: RunConfig, world: int, pipeline: int = 1) -> Plan:
     offload_host = act.host_total * pipeline  # blocks only: the head has no offload scope
     ep_buf = ep_buffer_bytes(cfg, tokens, bf16, world, model)
     fsdp = el["root"] + 2 * el["block"] if world > 1 else 0
-    loss_grad = tokens * model.head.weight.shape[0] * (4 + (2 if bf16 else 0))  # [T, V] logits' gradient
+    V = model.head.weight.shape[0]
+    loss_grad = tokens * V * (4 + (2 if bf16 else 0))  # [T, V] logits' gradient
+    if t.lora.enabled:  # the loss in chunks (ops/head_loss.py): one chunk's logits, softmax, its cast
+        loss_grad = min(t.batch_size * t.seq_len, CHUNK_TOKENS) * V * (8 + (2 if bf16 else 0))
     unit_grad = 4 * (el["dense"] + el["experts"]) // max(cfg.model.n_layers, 1)
     live_grads = grads if t.grad_accum > 1 else min(grads, unit_grad)
     peak = params + optimizer + activations + ep_buf + fsdp + loss_grad + live_grads
