@@ -46,6 +46,7 @@ BENCHMARKS = {
     "load": "dropless.bench.load",
     "prepare-data": "dropless.bench.prepare_data",
     "data-scale": "dropless.bench.data_scale",
+    "lora": "dropless.bench.lora",
 }
 
 
