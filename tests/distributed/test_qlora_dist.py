@@ -24,7 +24,8 @@ from dist_harness import run_world
 OVERRIDES = ["model.n_layers=3", "model.d_model=64", "model.n_heads=4", "model.moe.num_experts=4",
              "model.moe.d_expert=32", "model.d_ff_dense=64", "model.moe.n_shared_experts=1",
              "model.max_seq_len=16", "train.seq_len=16", "train.batch_size=2", "train.lora.rank=4",
-             'train.lora.targets=["attn","shared"]', "train.lora.base=bf16", "parallel.ep_size=2"]
+             'train.lora.targets=["attn","shared"]', "train.lora.base=bf16", "parallel.ep_size=2",
+             "train.optimizer=adamw"]
 
 
 def _worker(rank: int, world: int) -> None:

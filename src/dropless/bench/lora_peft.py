@@ -36,7 +36,7 @@ from torch import nn
 
 from ..hf import import_hf, mapping
 from ..hf.optional import require
-from .lora_side import ADAPTERS, GRADS, LOGITS, Built, Spec, autocast, batch, cross_entropy
+from .lora_common import ADAPTERS, GRADS, LOGITS, Built, Spec, autocast, batch, cross_entropy
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 EXPERTS = {"gate_up_proj": ("lora_a1_EDr", "lora_b1_ErW"), "down_proj": ("lora_a2_EFr", "lora_b2_ErD")}
