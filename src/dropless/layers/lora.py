@@ -14,7 +14,7 @@ A fused projection (attention's q|k|v, an MLP's gate|up) gets one adapter over i
 for the three (two) parts. peft adapts the separate q_proj, k_proj, v_proj: the export writes the same A
 to each with its rows of B (hf/peft_export.py), which is the same update exactly, B_q A, B_k A, B_v A.
 
-Freezing is the model's (model.py `freeze_for_lora`): every parameter but the adapters (and the router's
+Freezing is the model's (model_lora.py `freeze`): every parameter but the adapters (and the router's
 weights when "router" is a target) stops requiring a gradient, so autograd computes no gradient for the
 base and the optimizer holds no state for it (train/optim.py takes requires_grad parameters only).
 """
