@@ -47,7 +47,8 @@ from safetensors.torch import load_file  # noqa: E402
 # a few steps of 2 x 32 tokens, fp32 on the CPU, quiet; lr 1e-2 so that the adapters move far from zero
 STEPS = ["train.steps=4", "train.warmup_steps=0", "train.batch_size=2", "train.seq_len=32", "train.lr=1e-2",
          "train.eval_batches=1", "train.device=cpu", "train.dtype=fp32", "data.max_bytes=100000",
-         "log.progress=false", "log.plots=false", "log.tensorboard=false", "train.lora.rank=4"]
+         "log.progress=false", "log.plots=false", "log.tensorboard=false", "train.lora.rank=4",
+         "train.optimizer=adamw"]
 CASES = {  # family: (config builder, train.lora overrides)
     "qwen3_moe": (qwen3_config, ['train.lora.targets=["attn","dense","experts","router"]', "train.lora.layers=[0,2]"]),
     "deepseek_v3": (deepseek_config, ['train.lora.targets=["attn","mla_low_rank","shared","dense","experts"]']),
