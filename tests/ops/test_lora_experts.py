@@ -15,25 +15,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dropless.config import MoEConfig, RouterConfig
 from dropless.layers import lora
 from dropless.layers.moe import MoELayer
+from tests.test_lean_experts import SHAPES
 from tests.tolerances import REFERENCE, assert_close
 
-# Why each shape exists (T tokens, d, E, K, f, extra config):
-SHAPES = {
-    "basic": (24, 16, 8, 2, 12, {}),
-    # an expert with no rows: its adapters' gradients are zero, its group empty in every GEMM
-    "empty_expert": (24, 16, 6, 2, 8, {"bias": [0, 0, -100.0, 0, 0, 0]}),
-    # every token on one expert: one group holds all rows, the others are empty
-    "all_on_one": (20, 16, 5, 1, 8, {"bias": [0, 0, 0, 100.0, 0]}),
-    # prime E, K=3
-    "prime_E": (30, 16, 7, 3, 12, {}),
-    # odd widths: grouped_mm pads d and f to 16-byte strides; the rank too (r = 3 below)
-    "odd_widths": (20, 13, 5, 2, 7, {}),
-    # k=1 and k=E
-    "k1": (20, 16, 6, 1, 8, {}),
-    "kE": (12, 16, 4, 4, 8, {}),
-    # align=4: padding rows (the zero row) inside the groups and past the last one
-    "align4": (24, 16, 8, 2, 12, {"align": 4}),
-}
+# the shapes that break grouped kernels, each with its reason (shared with the lean experts' tests)
 
 
 def build(shape: str, rank: int = 4, activation: str = "swiglu", backend: str = "grouped_mm"
