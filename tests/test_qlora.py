@@ -295,3 +295,21 @@ def test_packing_refuses_trainable_experts() -> None:
     model = MoEModel(cfg.model, seed=0)
     with pytest.raises(ValueError, match="train.lora.base='mxfp4'"):
         frozen_base.pack_frozen_base(model, "mxfp4")
+
+
+@pytest.mark.parametrize("base", ["bf16", "mxfp4"])
+def test_merge_holds_the_unadapted_experts_too(base: str) -> None:
+    """Experts with no adapters (here: targets without "experts"; in a run also an MTP block's, or
+    those outside train.lora.layers) are packed buffers the state dict does not hold: the merged
+    state carries their dequantised values, so the plain model loads it strictly and computes what
+    the adapted model computes."""
+    from dropless.hf.merge_lora import merged_state
+
+    model = build(base, '["attn"]')
+    frozen_base.pack_frozen_base(model, base)
+    state = merged_state(model)
+    cfg = cfg_of(base, '["attn"]')
+    plain = MoEModel(cfg.model, seed=1)
+    plain.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        assert_close(plain(tokens()).logits, model(tokens()).logits, REFERENCE[torch.float32])

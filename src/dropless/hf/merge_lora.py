@@ -50,6 +50,11 @@ def merged_state(model: MoEModel) -> dict[str, torch.Tensor]:
         elif lora_layers.has_expert_adapters(module):
             w1, w2 = lora_layers.merged_expert_weights(module)
             out[prefix + "w_gate_up_EDF"], out[prefix + "w_down_EFD"] = w1, w2
+        elif getattr(module, "dequant_base", None) is not None:  # frozen experts without adapters
+            # (outside train.lora.layers, an MTP block's, or targets without "experts"): a packed
+            # stack is buffers the state dict does not hold, so its values come from the reader
+            w1, w2 = module.dequant_base(torch.float32)()
+            out[prefix + "w_gate_up_EDF"], out[prefix + "w_down_EFD"] = w1, w2
     for name, t in model.state_dict().items():
         if name not in out and not lora_layers.is_adapter(name):
             out[name] = t.float() if t.is_floating_point() else t
