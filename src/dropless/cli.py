@@ -47,6 +47,7 @@ BENCHMARKS = {
     "prepare-data": "dropless.bench.prepare_data",
     "data-scale": "dropless.bench.data_scale",
     "lora": "dropless.bench.lora",
+    "step": "dropless.bench.step",
 }
 
 

@@ -20,6 +20,7 @@ from dropless.train.muon import (
     muon_param_groups,
     newton_schulz,
     orthogonalise,
+    orthogonalise_many,
     orthogonalise_reference,
     scale_of,
 )
@@ -241,3 +242,52 @@ def test_config_accepts_muon_with_buffered_ep() -> None:
     m = torch.nn.Parameter(torch.zeros(2, 2))
     with pytest.raises(ValueError, match="no Split"):
         Muon([{"params": [m], "muon": True}], {})
+
+
+MIXED = [((16, 64, 96), Split(batched=True, axis=-1, sizes=(48, 48), out_axis=-1)),  # gate|up
+         ((16, 48, 64), Split(batched=True, out_axis=-1)),  # down
+         ((5, 48, 20), Split(batched=True, out_axis=-1)),  # tall experts
+         ((192, 64), Split(sizes=(64, 64, 64))),  # q|k|v
+         ((256, 64), Split(sizes=(128, 128))),  # gate|up rows, tall halves
+         ((64, 128), Split()),
+         ((128, 64), Split()),  # tall: alone, a transposed view; beside the halves above, stacked
+         ((0, 32, 64), Split(batched=True, axis=-1, sizes=(32, 32), out_axis=-1))]  # no local experts
+
+
+@pytest.mark.parametrize("chunk", [1, 3, None], ids=["one_by_one", "threes", "all"])
+@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_batching_same_shapes_changes_no_bits(chunk: int | None, ns_dtype: torch.dtype) -> None:
+    """Blocks of several weights grouped by shape and iterated in chunks give each weight's own
+    orthogonalisation bit for bit, whatever the chunk (muon_ns.py: the CPU takes one matrix at a time,
+    CUDA all of a shape)."""
+    g = torch.Generator().manual_seed(0)
+    us = [torch.randn(shape, generator=g) for shape, _ in MIXED]
+    splits = [s for _, s in MIXED]
+    many = orthogonalise_many(us, splits, ns_dtype=ns_dtype, chunk=chunk)
+    for u, s, o in zip(us, splits, many):
+        assert torch.equal(o, orthogonalise(u, s, ns_dtype=ns_dtype)), (tuple(u.shape), s)
+
+
+def test_a_bucket_of_parameters_steps_as_one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA rule (every Muon parameter in one bucket, all same-shape matrices in one iteration)
+    leaves the weights and momenta bit-identical to the CPU's parameter-by-parameter step."""
+    from dropless.train import muon as muon_mod
+
+    def run(bucket: bool) -> tuple[dict, dict]:
+        torch.manual_seed(0)
+        model = _model()
+        opt = build_optimizer(model, load_config(None, ["train.optimizer=muon", "train.weight_decay=0.1"]).train)
+        if bucket:
+            monkeypatch.setattr(muon_mod, "bucket_bytes", lambda device: 2**40)
+            monkeypatch.setattr(muon_mod, "ns_chunk", lambda device: None)
+        for step in range(2):
+            _loss(model, step).backward()
+            opt.step()
+            opt.zero_grad()
+        monkeypatch.undo()
+        return ({n: p.detach().clone() for n, p in model.named_parameters()},
+                {i: s["momentum_buffer"] for i, s in enumerate(opt.state.values()) if "momentum_buffer" in s})
+
+    (w1, m1), (w2, m2) = run(False), run(True)
+    assert all(torch.equal(w1[n], w2[n]) for n in w1)
+    assert m1.keys() == m2.keys() and all(torch.equal(m1[i], m2[i]) for i in m1)

@@ -35,8 +35,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
-import re
 import sys
 from pathlib import Path
 from typing import Callable
@@ -53,7 +51,7 @@ from ..serve.evaluate import autocast
 from ..hf.load_run import load_model
 from ..device import resolve_device
 from ..runs.presets import preset_path
-from .timing import format_table, interleaved
+from .timing import cpu_flags, format_table, interleaved
 
 PATH_CONTEXT = 128
 # cached decode steps per timed call (the figure is per step): consecutive steps, as in generation,
@@ -62,12 +60,6 @@ PATH_CONTEXT = 128
 RUN = 8
 
 
-def cpu_flags() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    return " ".join(sorted(set(re.findall(r"\b(amx_\w+|avx512_bf16)\b", text)))) or "no amx/avx512_bf16"
 
 
 def _ints(flag: str, text: str) -> list[int]:

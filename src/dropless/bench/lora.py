@@ -56,7 +56,7 @@ from . import lora_side
 from .load_memory import gib
 from .lora_side import PROBE
 from .timing import format_table
-from .train_step import cpu_flags
+from .timing import cpu_flags
 
 # The first step's agreement, relative to the largest dropless value: the same function of the same
 # weights in other kernels (fused q|k|v vs three projections, grouped adapters vs the update folded into

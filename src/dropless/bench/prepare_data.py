@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +34,7 @@ from ..data.corpus import stdlib_documents
 from ..data.prepare import prepare_data
 from ..data.prepared import open_prepared
 from ..data.tokenizer import load_tokenizer, train_byte_bpe
-from .timing import format_table
+from .timing import cpu_flags, format_table
 
 
 def synthetic_corpus(folder: Path, mb: float, files: int = 4) -> list[Path]:
@@ -101,13 +100,6 @@ def same_stream(prepared: np.ndarray, rows: Any, sep: list[int]) -> bool:
     return pos == len(prepared)
 
 
-def cpu_flags() -> str:
-    try:
-        flags = subprocess.run("lscpu | grep -o 'amx[a-z_]*\\|avx512_bf16' | sort -u", shell=True,
-                               capture_output=True, text=True).stdout.split()
-    except OSError:
-        return "unknown"
-    return " ".join(flags) or "none of amx*, avx512_bf16"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import re
 import statistics
 import sys
 import time
@@ -67,7 +66,7 @@ from ..train import compiling
 from ..device import resolve
 from ..train.optim import build_optimizer
 from . import hf_baseline, step_profile
-from .timing import format_table, sync
+from .timing import cpu_flags, format_table, sync
 
 
 @dataclass(frozen=True)
@@ -252,13 +251,6 @@ def uses_grouped_mm(bench: Bench) -> bool:
 
 # ---- running ----------------------------------------------------------------------------------------
 
-def cpu_flags() -> str:
-    """The AMX / AVX-512-BF16 flags of this CPU (docs/training_speed.md quotes them beside speed figures)."""
-    try:
-        text = open("/proc/cpuinfo").read()
-    except OSError:
-        return "unknown"
-    return " ".join(sorted(set(re.findall(r"\b(amx[a-z_0-9]*|avx512_bf16)\b", text)))) or "none"
 
 
 def run(shape_name: str, device: torch.device, dtype: str, steps: int, warmup: int,

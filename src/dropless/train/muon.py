@@ -80,9 +80,6 @@ matrices of R rows and C columns (B = local experts, or 1 for a 2-D weight).
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -91,28 +88,14 @@ from ..layers.experts import GroupedExperts
 from ..layers.mlp import MLP
 from ..model import Attention
 from ..ops.activations import is_gated
+from .muon_ns import (NS_COEFFS, NS_EPS, NS_STEPS, RMS_MATCH, Split, bucket_bytes, newton_schulz, ns_chunk,
+                      orthogonalise, orthogonalise_many, orthogonalise_reference, scale_of)
 from .optim_lowp import step_prologue
 
-NS_COEFFS = (3.4445, -4.7750, 2.0315)  # Jordan's quintic, as torch.optim.Muon's: singular values to ~[0.7, 1.2]
-NS_STEPS = 5
-NS_EPS = 1e-7
+__all__ = ["NS_COEFFS", "NS_EPS", "NS_STEPS", "RMS_MATCH", "MOMENTUM", "Muon", "Split", "muon_param_groups",
+           "orthogonalise_many",
+           "newton_schulz", "orthogonalise", "orthogonalise_reference", "scale_of", "split_params"]
 MOMENTUM = 0.95
-RMS_MATCH = 0.2
-
-
-@dataclass(frozen=True)
-class Split:
-    """How one stored weight splits into the matrices Muon orthogonalises.
-
-    batched: dim 0 is a batch of independent matrices (experts); the matrix is the last two dims.
-    axis: the matrix axis (-2 rows, -1 columns) along which `sizes` cut the stored weight into blocks
-    (gate|up, q|k|v); empty sizes = one block. out_axis: the fan-out axis (-2 for nn.Linear's
-    [out, in], -1 for the experts' [in, out]), for the shape rule."""
-
-    batched: bool = False
-    axis: int = -2
-    sizes: tuple[int, ...] = ()
-    out_axis: int = -2
 
 
 def split_params(model: nn.Module) -> dict[nn.Parameter, Split]:
@@ -138,72 +121,24 @@ def split_params(model: nn.Module) -> dict[nn.Parameter, Split]:
     return out
 
 
-def newton_schulz(g_BRC: torch.Tensor, steps: int = NS_STEPS,
-                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The quintic Newton-Schulz iteration on a batch of matrices [B, R, C], each on its own
-    (its own Frobenius normalisation, its own Gram matrices). The normalisation is fp32; the iteration
-    runs in `dtype` (fp32 or bf16); the result is fp32."""
-    a, b, c = NS_COEFFS
-    x = g_BRC.float()
-    tall = x.shape[-2] > x.shape[-1]
-    if tall:
-        x = x.mT
-    x = (x / (torch.linalg.matrix_norm(x, keepdim=True) + NS_EPS)).to(dtype)
-    for _ in range(steps):
-        a_BRR = x @ x.mT
-        x = a * x + (b * a_BRR + c * (a_BRR @ a_BRR)) @ x
-    x = x.float()
-    return x.mT if tall else x
-
-
-def scale_of(rows: int, cols: int, out_axis: int, rms_match: float | None) -> float:
-    """The shape rule (module note) for one (rows, cols) block."""
-    if rms_match is not None:
-        return rms_match * math.sqrt(max(rows, cols))
-    fan_out, fan_in = (rows, cols) if out_axis == -2 else (cols, rows)
-    return math.sqrt(max(1.0, fan_out / fan_in))
-
-
-def orthogonalise(u: torch.Tensor, split: Split, rms_match: float | None = RMS_MATCH,
-                  ns_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The scaled orthogonalised update of one whole (unsharded, or whole-expert) weight: each
-    expert and each block apart, in one batched iteration per block."""
-    u_BRC = u if split.batched else u.unsqueeze(0)
-    blocks = u_BRC.split(list(split.sizes), dim=split.axis) if split.sizes else (u_BRC,)
-    outs = [newton_schulz(blk, dtype=ns_dtype) * scale_of(blk.shape[-2], blk.shape[-1], split.out_axis, rms_match)
-            for blk in blocks]
-    o_BRC = torch.cat(outs, dim=split.axis) if len(outs) > 1 else outs[0]
-    return o_BRC if split.batched else o_BRC.squeeze(0)
-
-
-def orthogonalise_reference(u: torch.Tensor, split: Split, rms_match: float | None = RMS_MATCH,
-                            ns_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Plain specification of `orthogonalise`: a loop over experts and blocks, one 2-D iteration each."""
-    mats = list(u) if split.batched else [u]
-    done = []
-    for m in mats:
-        ax = split.axis % 2  # the same matrix axis, counted on a 2-D slice
-        blocks = m.split(list(split.sizes), dim=ax) if split.sizes else (m,)
-        done.append(torch.cat([newton_schulz(b.unsqueeze(0), dtype=ns_dtype)[0]
-                               * scale_of(b.shape[0], b.shape[1], split.out_axis, rms_match)
-                               for b in blocks], dim=ax))
-    return torch.stack(done) if split.batched else done[0]
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _orthogonalise_sharded(u: torch.Tensor, p: torch.Tensor, split: Split, rms_match: float | None,
-                           ns_dtype: torch.dtype) -> torch.Tensor:
-    """The local part of the update of `p` from the local part of its Nesterov update `u` (module
-    note: experts locally, row-sharded matrices gathered)."""
+def _gathered(u: torch.Tensor, p: torch.Tensor, split: Split) -> torch.Tensor:
+    """What `orthogonalise` takes for `p` from the local part of its update `u` (module note): the
+    local experts as they are, a row-sharded matrix gathered whole (one all-gather)."""
     if not isinstance(p, DTensor):
-        return orthogonalise(u, split, rms_match, ns_dtype)
+        return u
     if split.batched and all(pl.is_replicate() or (pl.is_shard() and pl.dim == 0) for pl in p.placements):
-        return orthogonalise(u, split, rms_match, ns_dtype)  # whole experts on this rank
-    full = DTensor.from_local(u, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
-    o = orthogonalise(full, split, rms_match, ns_dtype)
+        return u  # whole experts on this rank
+    return DTensor.from_local(u, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
+
+
+def _local_part(o: torch.Tensor, p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of the orthogonalised update `o` of `p` (`u` its local update)."""
+    if o.shape == u.shape:
+        return o
     return distribute_tensor(o, p.device_mesh, p.placements, src_data_rank=None).to_local()
 
 
@@ -248,32 +183,52 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
+        """AdamW's parameters one by one; Muon's in buckets whose same-shape matrices share the
+        Newton-Schulz iterations (muon_ns.py: on the CPU a bucket is one parameter)."""
         loss, found_inf, skip = step_prologue(self, closure)
+        bucket: list[tuple[torch.Tensor, dict, torch.Tensor, torch.Tensor]] = []
+        held = 0
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if p.dtype != torch.float32:
                     raise ValueError(f"Muon keeps fp32 weights; got a parameter of dtype {p.dtype}")
-                if group["muon"]:
-                    self._muon(p, group, skip)
-                else:
+                if not group["muon"]:
                     self._adamw(p, group, found_inf, skip)
+                    continue
+                u = self._momentum(p, group, skip)
+                bucket.append((p, group, u, _gathered(u, p, self.splits[p])))
+                held += bucket[-1][3].numel() * 4
+                if held >= bucket_bytes(u.device):
+                    self._muon_update(bucket, skip)
+                    bucket, held = [], 0
+        if bucket:
+            self._muon_update(bucket, skip)
         return loss
 
-    def _muon(self, p: torch.Tensor, group: dict, skip: torch.Tensor | None) -> None:
-        lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+    def _momentum(self, p: torch.Tensor, group: dict, skip: torch.Tensor | None) -> torch.Tensor:
+        """The momentum buffer stepped (kept on a skipped step); returns the local Nesterov update."""
+        mu = group["momentum"]
         buf = _local(self.state[p]["momentum_buffer"])
-        g, w = _local(p.grad).float(), _local(p)
+        g = _local(p.grad).float()
         m = buf.lerp(g, 1 - mu)
         u = g.lerp(m, mu)  # Nesterov
-        o = _orthogonalise_sharded(u, p, self.splits[p], self.rms_match, self.ns_dtype)
-        new_w = w * (1 - lr * wd)
-        new_w -= lr * o
-        if skip is not None:
-            new_w, m = torch.where(skip, w, new_w), torch.where(skip, buf, m)
-        w.copy_(new_w)
-        buf.copy_(m)
+        buf.copy_(m if skip is None else torch.where(skip, buf, m))
+        return u
+
+    def _muon_update(self, bucket: list[tuple[torch.Tensor, dict, torch.Tensor, torch.Tensor]],
+                     skip: torch.Tensor | None) -> None:
+        """p <- p (1 - lr wd) - lr O(u) for each (p, group, local u, u to orthogonalise) of the bucket."""
+        device = bucket[0][2].device
+        os = orthogonalise_many([full for *_, full in bucket], [self.splits[p] for p, *_ in bucket],
+                                self.rms_match, self.ns_dtype, ns_chunk(device))
+        for (p, group, u, _), o in zip(bucket, os):
+            lr, wd = group["lr"], group["weight_decay"]
+            w = _local(p)
+            new_w = w * (1 - lr * wd)
+            new_w -= lr * _local_part(o, p, u)
+            w.copy_(new_w if skip is None else torch.where(skip, w, new_w))
 
     def _adamw(self, p: torch.Tensor, group: dict, found_inf: torch.Tensor | None,
                skip: torch.Tensor | None) -> None:
