@@ -58,6 +58,8 @@ OVERLONG = ("refuse", "truncate")
 DTYPES = ("auto", "bf16", "fp32")  # "auto": bf16 on CUDA and AMX CPUs, else fp32 (device.py)
 DEVICES = ("auto", "cpu", "cuda")  # "auto": CUDA when present
 OPTIMIZERS = ("adamw", "adamw_bf16", "muon")
+COMPILE_MODES = ("off", "blocks", "step")
+COMPILE_ALIASES = {"true": "blocks", "false": "off", "1": "blocks", "0": "off"}
 
 
 @dataclass
@@ -282,9 +284,15 @@ class TrainConfig:
     ckpt_every: int = 200
     keep_last: int = 2
     threads: int = 0  # torch intra-op threads (0 = torch's default)
-    # torch.compile each transformer block (train/compiling.py: fullgraph, in place; falls back to
-    # eager with one warning where the backend cannot compile). The first step pays the compile.
-    compile: bool = False
+    # torch.compile (train/compiling.py; falls back to eager with one warning where the backend cannot
+    # compile; the first steps pay the compile): "off"; "blocks" each transformer block (fullgraph, in
+    # place); "step" the whole step: the model's forward with its loss (one graph, its backward built
+    # with it) and the gradient norm and optimizer update (graphs of their own). true / false read as
+    # "blocks" / "off".
+    compile: str = "off"
+    # CUDA graphs: replay the compiled step's kernels as captured graphs (train.compile = "step", CUDA
+    # only; inductor's "reduce-overhead" mode)
+    cuda_graphs: bool = False
     # low-rank adapters on a frozen base (lora_config.py; off with rank 0)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
@@ -295,6 +303,12 @@ class TrainConfig:
                      "ckpt_every", "keep_last", "max_nonfinite_steps"):
             _positive(f"train.{name}", getattr(self, name))
         _choice("train.optimizer", self.optimizer, OPTIMIZERS)
+        # a bool from an older config.toml or `--set train.compile=true` (read as a string)
+        self.compile = COMPILE_ALIASES.get(str(self.compile).lower(), self.compile)
+        _choice("train.compile", self.compile, COMPILE_MODES)
+        if self.cuda_graphs and self.compile != "step":
+            raise ValueError(f"train.cuda_graphs=true: captures the compiled step, so it needs "
+                             f"train.compile=step (got {self.compile!r})")
         _choice("train.muon_ns_dtype", self.muon_ns_dtype, ("auto", "fp32", "bf16"))
         _choice("train.schedule", self.schedule, SCHEDULES)
         _choice("train.dtype", self.dtype, DTYPES)

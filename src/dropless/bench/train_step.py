@@ -207,7 +207,7 @@ def build(shape: Shape, device: torch.device, dtype: str = "auto", rows: tuple[s
     hf = build_hf(model, shape).to(device) if "hf_transformers" in rows else None
     model = model.to(device)
     optimizer = build_optimizer(model, TrainConfig())
-    compiled = (compiling.compile_blocks(model, device, placement.autocast_dtype, backend)
+    compiled = (compiling.compile_blocks(model, device, backend)
                 if "dropless_compiled" in rows else None)
     hf_opt = torch.optim.AdamW(hf.parameters(), lr=TrainConfig().lr) if hf is not None else None
     tokens_BS, targets_BS = (t.to(device) for t in batch(shape))

@@ -31,11 +31,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+from .grouped_mm_op import _native, traced
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return traced(a, b, offs)  # torch's op; traceable at any dtype under compile (grouped_mm_op.py)
 
 
 def has_grouped_mm() -> bool:
-    return _grouped_mm is not None
+    return _native is not None
 
 
 # oneDNN, which runs torch's bf16/fp16 matmuls on the CPU, creates a kernel for each GEMM shape it
@@ -89,7 +93,7 @@ def _pad_to(n: int, multiple: int) -> int:
 
 
 def grouped_mm(x_RD: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    if _grouped_mm is None:
+    if _native is None:
         raise RuntimeError("this torch has no grouped_mm; use backend='loop' or torch >= 2.9")
     mult = 16 // x_RD.element_size()
     D, Fo = w_EDF.shape[-2:]

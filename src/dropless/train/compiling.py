@@ -1,9 +1,16 @@
-"""`train.compile = true`: torch.compile per transformer block, with one clear fallback to eager.
+"""`train.compile`: torch.compile of the blocks or of the whole step, with one clear fallback to eager.
 
-Why per block: every block of a model has the same code, so dynamo traces one graph per block
+"blocks" (true): every block of a model has the same code, so dynamo traces one graph per block
 instance (guards on the module identity) from the same Python, and a graph is small enough to compile
-in seconds to a minute; the embedding, the final norm, the LM head and the cross-entropy stay eager
-(one GEMM and a loss: nothing for the compiler to fuse that pays for its time).
+in seconds to a minute; the embedding, the final norm, the LM head and the cross-entropy stay eager.
+
+"step" (train/compile_step.py): the whole model's forward with its losses is one graph, whose
+backward AOTAutograd builds with it, and the gradient norm and the optimizer update are graphs of
+their own; what stays eager is the host's bookkeeping between them (the micro-batch loop, the
+statistics' accumulation, the balancing rules). Static shapes: the batch is [B, S] and the dropless
+expert batch is bounded by T*K + E*(align-1) rows (layers/dispatch.py), so nothing recompiles as the
+routing changes. Calls without autograd (evaluation, the routing monitor's probe) run eager: the
+training graphs are the only ones built, and evaluation never triggers a compile mid-run.
 
 fullgraph=True: a block (attention, norms, the MoE layer) is one graph or an error. A graph break in
 the MoE layer would be a host read of device data (`.item()`, a Python branch on a tensor), which the
@@ -16,12 +23,13 @@ batch), one recompile instead of one per size.
 Compiled in place (`nn.Module.compile`): parameter names, `state_dict` keys and checkpoints are the
 same as eager, and the optimizer holds the same parameters.
 
+Any dtype: torch's grouped_mm traces with bf16 operands only; fp32 experts go through a custom op
+with the same kernel (ops/grouped_mm_op.py).
+
 Fallback, decided twice:
 1. Up front: inductor writes C++ (CPU) or Triton (CUDA) kernels; without a working C++ compiler or
-   without triton it cannot (`compiler_problem`). And torch's grouped_mm traces in bf16 only
-   (`dtype_problem`): an fp32 run (train.dtype=fp32, or auto on a CPU without AMX) stays eager. In
-   either case compile is not attempted.
-2. At the first call of each block: dynamo traces and inductor builds the forward there; its backward
+   without triton it cannot (`compiler_problem`), and compile is not attempted.
+2. At the first call of each compiled module: dynamo traces and inductor builds the forward there; its backward
    is normally built lazily at the first backward, where an error would surface inside
    `loss.backward()` with no way back, so the first call forces the backward to be built with the
    forward (`force_non_lazy_backward_lowering`). Any exception there turns compile off for every block
@@ -71,21 +79,25 @@ class CompiledBlocks:
     bench times both paths on one model and one optimizer). `failed` holds the reason once the first
     call failed; compile then stays off."""
 
-    def __init__(self, blocks: Sequence[nn.Module], backend: str | Callable) -> None:
+    def __init__(self, blocks: Sequence[nn.Module], backend: str | Callable, train_only: bool = False,
+                 mode: str | None = None, what: str = "train.compile=blocks") -> None:
+        """`train_only`: calls without autograd run eager (the whole-step mode's evaluation)."""
         self.blocks = list(blocks)
         self.backend = backend
         self.enabled = True
         self.failed: str | None = None
+        self.train_only, self.what = train_only, what
         self._first = True
         for block in self.blocks:
-            block.compile(fullgraph=True, dynamic=None, backend=backend)
+            block.compile(fullgraph=True, dynamic=None, backend=backend,
+                          **({"mode": mode} if mode is not None else {}))
             # nn.Module.__call__ runs `_compiled_call_impl` when set: put the guard in front of it
             compiled = block._compiled_call_impl
             block._compiled_call_impl = self._guarded(block, compiled)
 
     def _guarded(self, block: nn.Module, compiled: Callable) -> Callable:
         def call(*args: Any, **kwargs: Any) -> Any:
-            if not self.enabled or self.failed is not None:
+            if not self.enabled or self.failed is not None or (self.train_only and not torch.is_grad_enabled()):
                 return block._call_impl(*args, **kwargs)
             if not self._first:
                 return compiled(*args, **kwargs)
@@ -103,7 +115,7 @@ class CompiledBlocks:
 
     def _fail(self, why: str) -> None:
         self.failed = why
-        warnings.warn(f"train.compile=true: {why}; training continues eager", CompileFallback, stacklevel=3)
+        warnings.warn(f"{self.what}: {why}; training continues eager", CompileFallback, stacklevel=3)
 
 
 def _describe(err: BaseException) -> str:
@@ -119,35 +131,14 @@ def _describe(err: BaseException) -> str:
     return line(err) if root is err else f"{line(err)} {line(root)}"
 
 
-def dtype_problem(model: nn.Module, autocast_dtype: torch.dtype | None) -> str | None:
-    """Why the MoE layers cannot be traced at this precision, or None. torch's shape rule for
-    grouped_mm (its meta function, which dynamo runs while tracing) accepts bf16 operands only (torch
-    2.13), while its eager CPU kernel also takes fp32: an fp32 run's experts cannot be compiled."""
-    from ..layers.moe import MoELayer
-
-    if autocast_dtype == torch.bfloat16:
-        return None
-    for layer in model.modules():
-        if not isinstance(layer, MoELayer):
-            continue
-        # a frozen base held narrow (train.lora.base, layers/frozen_base.py) computes in the rows' dtype
-        held = getattr(layer.experts, "dequant_base", None) is not None
-        dtype = model.embed.weight.dtype if held else layer.experts.w_gate_up_EDF.dtype
-        if layer.experts.backend == "grouped_mm" and dtype != torch.bfloat16:
-            return ("torch's grouped_mm can be traced with bf16 operands only, and this run's experts "
-                    "compute in fp32 (train.dtype=fp32, or auto on a CPU without AMX)")
-    return None
-
-
-def compile_blocks(model: nn.Module, device: torch.device, autocast_dtype: torch.dtype | None,
+def compile_blocks(model: nn.Module, device: torch.device,
                    backend: str | Callable | None = None) -> CompiledBlocks | None:
     """Compile every block of `model` (its `blocks` list) in place with `backend` (default BACKEND,
-    read at the call: tests set "aot_eager", which traces the same graphs and runs eager kernels);
-    `autocast_dtype` is the forward's autocast (None: none). None, with one CompileFallback warning,
-    where `compiler_problem` or `dtype_problem` says it cannot compile."""
+    read at the call: tests set "aot_eager", which traces the same graphs and runs eager kernels).
+    None, with one CompileFallback warning, where `compiler_problem` says it cannot compile."""
     backend = BACKEND if backend is None else backend
-    problem = dtype_problem(model, autocast_dtype) or compiler_problem(device, backend)
+    problem = compiler_problem(device, backend)
     if problem is not None:
-        warnings.warn(f"train.compile=true: {problem}; training continues eager", CompileFallback, stacklevel=2)
+        warnings.warn(f"train.compile=blocks: {problem}; training continues eager", CompileFallback, stacklevel=2)
         return None
     return CompiledBlocks(model.blocks, backend)

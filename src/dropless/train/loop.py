@@ -6,6 +6,8 @@ A `Trainer` is composed of parts, each built by a named factory in its own modul
     data          data_source.py  tokenizer, train/val splits, routing replay; this rank's micro-batches
     compiled      compiling.py    train.compile: the blocks compiled in place
     optimizer     optim.py        AdamW, AdamW with bf16 state, or Muon
+    step_fns      compile_step.py the gradient norm and the update (train.compile=step: compiled, and
+                                  the whole model with them)
     overflow      overflow.py     buffered EP's overflow policy (skip, check, retry); None otherwise
     nonfinite     nonfinite.py    skips a step whose loss or gradient norm is not finite
     health        health.py       routing statistics, balancing rules, alarms
@@ -54,7 +56,8 @@ from .health import build_health
 from .layout import build_layout, place_model
 from .micro_batches import StepLosses, build_micro_batches
 from .nonfinite import NonFiniteGuard
-from .optim import build_optimizer, step_unless
+from .compile_step import build_step_fns, check_cuda_graphs
+from .optim import build_optimizer
 from .overflow import build_guard
 from .run_dir import Sinks, open_run_dir
 from .schedule import lr_at
@@ -86,10 +89,14 @@ class Trainer:
                                        f"--resume from {latest}")
         self.layout, self.model = place_model(cfg, self.layout, fill)
         lay = self.layout
-        # train.compile: the blocks compiled in place (names, state and checkpoints unchanged)
-        self.compiled = (compiling.compile_blocks(self.model, lay.device, lay.placement.autocast_dtype)
-                         if t.compile else None)
+        check_cuda_graphs(t, lay.device)  # before anything is written
+        # train.compile: the blocks, or the whole model, compiled in place (names, state and
+        # checkpoints unchanged); under "step" also the gradient norm and the update (compile_step.py)
+        self.compiled = compiling.compile_blocks(self.model, lay.device) if t.compile == "blocks" else None
         self.optimizer = build_optimizer(self.model, t, lay.placement.autocast_dtype)
+        self.step_fns = build_step_fns(t, lay, self.model, self.optimizer)
+        if self.step_fns.model_graph is not None:
+            self.compiled = self.step_fns.model_graph
         self.overflow = (build_guard(self.model, self.optimizer, lay.reduce, lay.parallel, cfg.model.moe.top_k,
                                      lay.device) if lay.distributed else None)
         self.nonfinite = NonFiniteGuard(t.max_nonfinite_steps, lay.reduce, device=self.model.embed.weight.device)
@@ -129,12 +136,12 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         sums, invalid = self._gradients(step, log_step)
-        grad_norm = self.layout.finish_grads(self.model, t.grad_clip)
+        grad_norm = self.step_fns.grad_norm()  # clipped to train.grad_clip (layout.finish_grads)
         # a step with a non-finite loss or gradient norm, or an unhandled EP overflow, is skipped on the
         # device: optimizer and router buffers unchanged (nonfinite.py)
         bad = self.nonfinite.flag(sums.loss, grad_norm)
         skip = bad if invalid is None else bad | invalid
-        step_unless(self.optimizer, skip)
+        self.step_fns.update(skip)  # optim.step_unless
         self.optimizer.zero_grad(set_to_none=True)
         self.health.end_step(skip, nonfinite=bad, rate_scale=balance.bias_rate_scale(
             self.cfg.model.moe.balance.bias_rate_schedule, step, lr, t.lr, t.warmup_steps))

@@ -16,6 +16,12 @@ ulp or so per step (another order of the same operations). On a device without f
 the state, steps, and puts the copies back where `skip` (`_step_then_undo`: still no host read, at the
 cost of one copy of parameters + state per step).
 
+Under `train.compile = "step"` "adamw" is instead Muon's AdamW half (a `Muon` with no matrix groups):
+torch's AdamW formula with fp32 moments, written in plain tensor ops that dynamo traces into one
+graph with the skip flag (torch's own optimizers break the graph around `step()` by design). It
+rounds like AdamWBF16's update, so it differs from the fused kernel by an ulp or so per step, as the
+foreach path does; its state has the same keys (step, exp_avg, exp_avg_sq).
+
 No decay on one-dimensional parameters (norm gains, biases): shrinking them toward zero fights the
 normalisation and buys nothing. Buffers (the router's expert bias, rotary tables) are not parameters
 and are never touched by the optimizer; balancing rules move the expert bias.
@@ -61,6 +67,11 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig,
         return Muon(groups, splits, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                     weight_decay=cfg.weight_decay, ns_dtype=muon_ns_dtype(cfg.muon_ns_dtype, autocast_dtype))
     groups = param_groups(model, cfg.weight_decay)
+    if cfg.optimizer == "adamw" and cfg.compile == "step":
+        # Muon's AdamW half (module note): torch's optimizers break the graph before and after step()
+        # on purpose (torch/optim/optimizer.py `_use_grad`), so a compiled update could not be one graph
+        return Muon([dict(g, muon=False) for g in groups], {}, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                    eps=cfg.eps, weight_decay=cfg.weight_decay)
     if cfg.optimizer == "adamw":
         fused = all(p.device.type in FUSED_DEVICES for g in groups for p in g["params"])
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,

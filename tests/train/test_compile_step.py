@@ -1,0 +1,146 @@
+"""`train.compile = "step"` (train/compile_step.py): the whole model, the gradient norm and the update
+compiled; one set of graphs for the run, whatever the routing does.
+
+Backend "aot_eager" (dynamo and AOTAutograd trace what inductor would get, eager kernels run them):
+what these tests guard is the tracing (no graph break, no recompile), which the backend does not
+change; the inductor run is marked slow.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from tiny_run import rows, tiny
+from tolerances import COMPILED_TRAINING, INDUCTOR_TRAINING
+
+from dropless.layers.moe import MoELayer
+from dropless.train import compiling
+from dropless.train.loop import Trainer
+from dropless.train.muon import Muon
+
+WARM_UP = 2  # the first step builds every graph; the second, the update's graph with lr as an input
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> None:
+    torch._dynamo.reset()  # other tests' graphs count against dynamo's per-code-object cache
+    counters.clear()
+
+
+def _trainer(run_dir: Path, *extra: str) -> Trainer:
+    return Trainer(tiny("train.compile=step", *extra), run_dir)
+
+
+def _graphs_per_step(trainer: Trainer) -> list[int]:
+    """Run `trainer.fit()`; dynamo's count of graphs built so far, after each optimizer step."""
+    seen: list[int] = []
+    real = trainer.train_step
+
+    def counted(step: int, log_step: bool = False):
+        out = real(step, log_step)
+        seen.append(counters["stats"]["unique_graphs"])
+        return out
+
+    trainer.train_step = counted  # type: ignore[method-assign]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", compiling.CompileFallback)  # a fallback would run eager
+        trainer.fit()
+    return seen
+
+
+@pytest.mark.parametrize("dtype,optimizer", [("fp32", "muon"), ("bf16", "adamw")])
+def test_200_steps_build_their_graphs_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str,
+                                          optimizer: str) -> None:
+    """200 steps of changing routing (new batches, moving weights, the expert counts of every layer
+    different each step), log steps and evaluations among them: every graph is built in the first
+    steps (the model's for plain and for log steps, the norm's, the update's) and none after;
+    no graph break anywhere."""
+    monkeypatch.setattr(compiling, "BACKEND", "aot_eager")
+    trainer = _trainer(tmp_path, f"train.dtype={dtype}", f"train.optimizer={optimizer}", "train.steps=200",
+                       "train.eval_every=100", "train.ckpt_every=100", "log.log_every=25")
+    seen = _graphs_per_step(trainer)
+    assert len(seen) == 200
+    assert seen[WARM_UP - 1] == seen[-1] == 5, seen[:WARM_UP + 3]
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert trainer.step_fns.grad_norm.failed is None and trainer.step_fns.update.failed is None
+    assert trainer.compiled is trainer.step_fns.model_graph and trainer.compiled.failed is None
+    assert isinstance(trainer.optimizer, Muon)  # adamw under "step": Muon's AdamW half (optim.py)
+    losses = [r["ce_loss"] for r in rows(tmp_path, "loss")]
+    assert losses[-1] < losses[0] - 1.0
+
+
+def test_an_injected_graph_break_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check above fails on a graph break: the fullgraph compile of the model refuses it and the
+    run would fall back to eager with a warning, which the check turns into an error."""
+    monkeypatch.setattr(compiling, "BACKEND", "aot_eager")
+    real = MoELayer._stats
+
+    def with_break(self, *args):
+        torch._dynamo.graph_break()
+        return real(self, *args)
+
+    monkeypatch.setattr(MoELayer, "_stats", with_break)
+    with pytest.raises(compiling.CompileFallback, match="train.compile=step"):
+        _graphs_per_step(_trainer(tmp_path, "train.steps=3"))
+
+
+def test_a_recompile_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """... and on a recompile: a Python value the model's graph reads that changes every step (a
+    string: dynamo guards on its value) builds a new graph each step."""
+    monkeypatch.setattr(compiling, "BACKEND", "aot_eager")
+    tag = {"step": "0"}
+    real_stats = MoELayer._stats
+
+    def stats_reading_a_string(self, *args):
+        out = real_stats(self, *args)
+        return out if tag["step"] != "never" else None
+
+    monkeypatch.setattr(MoELayer, "_stats", stats_reading_a_string)
+    trainer = _trainer(tmp_path, "train.steps=6")
+    real = trainer.train_step
+
+    def tagged(step: int, log_step: bool = False):
+        tag["step"] = str(step)
+        return real(step, log_step)
+
+    trainer.train_step = tagged  # type: ignore[method-assign]
+    seen = _graphs_per_step(trainer)
+    assert seen[-1] > seen[WARM_UP - 1]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_compiled_step_follows_eager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str) -> None:
+    monkeypatch.setattr(compiling, "BACKEND", "aot_eager")
+    extra = (f"train.dtype={dtype}", "train.optimizer=muon", "train.steps=5", "train.eval_every=5")
+    Trainer(tiny(*extra), tmp_path / "eager").fit()
+    _graphs_per_step(_trainer(tmp_path / "step", *extra))
+    eager, step = rows(tmp_path / "eager", "loss"), rows(tmp_path / "step", "loss")
+    assert len(eager) == len(step) == 5
+    for a, b in zip(step, eager):
+        assert abs(a["loss"] - b["loss"]) <= COMPILED_TRAINING * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
+    (ve,), (vs,) = rows(tmp_path / "eager", "val_loss"), rows(tmp_path / "step", "val_loss")
+    assert abs(vs["val_loss"] - ve["val_loss"]) <= COMPILED_TRAINING * ve["val_loss"]
+
+
+@pytest.mark.slow
+def test_inductor_step_follows_eager(tmp_path: Path) -> None:
+    if compiling.compiler_problem(torch.device("cpu"), "inductor") is not None:
+        pytest.skip("no C++ compiler for inductor")
+    extra = ("train.dtype=bf16", "train.optimizer=muon", "train.steps=5", "train.eval_every=5")
+    Trainer(tiny(*extra), tmp_path / "eager").fit()
+    _graphs_per_step(_trainer(tmp_path / "step", *extra))
+    for a, b in zip(rows(tmp_path / "step", "loss"), rows(tmp_path / "eager", "loss")):
+        assert abs(a["loss"] - b["loss"]) <= INDUCTOR_TRAINING * abs(b["loss"])
+
+
+def test_cuda_graphs_refused_off_cuda_before_anything_is_written(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="train.cuda_graphs=true.*'cpu'"):
+        _trainer(tmp_path / "run", "train.cuda_graphs=true")
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ValueError, match="train.cuda_graphs=true.*train.compile=step"):
+        tiny("train.cuda_graphs=true")
