@@ -105,8 +105,8 @@ def test_adapters_load_in_peft_and_compute_the_run(lora_run: tuple[str, Path, Pa
     written = load_file(adapters / "adapter_model.safetensors")
     config = json.loads((adapters / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(base.resolve()) and config["peft_version"] == "0.21.2"
-    assert cli(["merge-lora", str(run), "--out", str(merged), "--no-progress"]) == 0
-    assert cli(["export-hf", str(merged), "--out", str(export), "--family", family, "--no-progress"]) == 0
+    assert cli(["merge-lora", str(run), "--out", str(merged)]) == 0
+    assert cli(["export-hf", str(merged), "--out", str(export), "--family", family]) == 0
 
     ours, _ = load_model(run)
     ours_merged, _ = load_model(merged)
@@ -167,7 +167,7 @@ def test_a_lora_run_exports_only_as_adapters(lora_run: tuple[str, Path, Path], t
     refusal writes nothing."""
     family, _, run = lora_run
     capsys.readouterr()
-    assert cli(["export-hf", str(run), "--out", str(tmp_path / "out"), "--family", family, "--no-progress"]) == 2
+    assert cli(["export-hf", str(run), "--out", str(tmp_path / "out"), "--family", family]) == 2
     err = capsys.readouterr().err
     assert "a LoRA run (train.lora.rank=4)" in err and "--adapters-only" in err and "dropless merge-lora" in err
     other = "deepseek_v3" if family == "mixtral" else "mixtral"  # (a family the run's model does not fit)

@@ -26,6 +26,9 @@ Activation recompute (`cfg.recompute`, layers/recompute.py) wraps parts of a blo
 a recomputed MoE layer replays the expert ids its forward chose, so it never re-routes.
 Activation offload (`cfg.offload`, layers/offload.py) runs parts of a block inside saved-tensor
 hooks that move what autograd saves to host memory; the model owns the one `Offloader` (its counter).
+Low-rank adapters (`lora=`, model_lora.py): adapters on the chosen projections and experts, the
+rest frozen; with `loss_only` (a LoRA run's training call) the loss comes from the final hidden
+states in chunks (ops/head_loss.py) and no [B, S, V] logits are made.
 Parallelism (expert parallel, FSDP) is applied to this model from outside; nothing here is
 distributed.
 """

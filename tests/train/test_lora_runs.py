@@ -50,7 +50,7 @@ def test_adapted_model_differs_from_base_and_merge_computes_it(runs: tuple[Path,
     adapted, cfg = load_model(run)
     plain, _ = load_model(base)
     tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
-    assert merge_lora.main([str(run), "--out", str(tmp_path / "merged"), "--no-progress"]) == 0
+    assert merge_lora.main([str(run), "--out", str(tmp_path / "merged")]) == 0
     merged, mcfg = load_model(tmp_path / "merged")
     assert mcfg.train.lora.rank == 0 and cfg.train.lora.rank == 4
     with torch.no_grad():

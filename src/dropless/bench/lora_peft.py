@@ -36,6 +36,7 @@ from torch import nn
 
 from ..hf import import_hf, mapping
 from ..hf.optional import require
+from ..hf.peft_export import experts_A as expert_A, experts_B as expert_B  # the export's layout
 from .lora_common import ADAPTERS, GRADS, LOGITS, Built, Spec, autocast, batch, cross_entropy
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -48,18 +49,6 @@ DELTA_RTOL = 1e-5
 def _libs() -> tuple[Any, Any]:
     need = "dropless bench lora"
     return require("transformers", need), require("peft", need)
-
-
-def expert_A(a_EIr: torch.Tensor) -> torch.Tensor:
-    """dropless [E, I, r] -> peft's lora_A.weight [r E, I] (row block e = a_e^T)."""
-    E, I, r = a_EIr.shape
-    return a_EIr.transpose(1, 2).reshape(E * r, I)
-
-
-def expert_B(b_ErO: torch.Tensor) -> torch.Tensor:
-    """dropless [E, r, O] -> peft's lora_B.weight [O, r E] (column j E + e = b_e[j, :])."""
-    E, r, O = b_ErO.shape
-    return b_ErO.permute(2, 1, 0).reshape(O, r * E)
 
 
 def expert_a(A: torch.Tensor, E: int) -> torch.Tensor:

@@ -249,7 +249,7 @@ def export(ctx: Ctx) -> None:
     """export-hf of the run; a LoRA run is merged first (merge-lora), and that merged run exported."""
     family = hf_check.family(ctx.cfg.model)
     out, run = ctx.root / "hf", _full_run(ctx)
-    ctx.call("export-hf", run, "--out", out, "--family", family or hf_check.FALLBACK, "--no-progress")
+    ctx.call("export-hf", run, "--out", out, "--family", family or hf_check.FALLBACK)
     expect(family is not None, "exported a model no family can express")
     ctx.notes.setdefault("export", []).append(hf_check.load_export(run, out))
 
@@ -260,14 +260,14 @@ def _full_run(ctx: Ctx) -> Path:
         return ctx.run
     merged = ctx.root / "merged"
     if not merged.exists():
-        ctx.call("merge-lora", ctx.run, "--out", merged, "--no-progress")
+        ctx.call("merge-lora", ctx.run, "--out", merged)
     return merged
 
 
 def import_hf(ctx: Ctx) -> None:
     out = ctx.root / "imported"
     source = hf_check.with_byte_tokenizer(ctx.root / "hf", ctx.root / "hf-tok")
-    ctx.call("import-hf", source, "--out", out, "--no-progress")
+    ctx.call("import-hf", source, "--out", out)
     hf_check.compare_runs(_full_run(ctx), out)
 
 

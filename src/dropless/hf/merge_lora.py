@@ -1,6 +1,6 @@
 """`dropless merge-lora RUN --out RUN2`: a LoRA run's adapters merged into its base, as a full run.
 
-    dropless merge-lora RUN --out RUN2 [--no-progress]
+    dropless merge-lora RUN --out RUN2
 
 RUN2 is an ordinary run: its config is RUN's with `train.lora` off, its checkpoint (at RUN's step) the
 merged weights and no optimizer state (a resume of RUN2 starts a fresh optimizer, as an imported run
@@ -23,7 +23,7 @@ RUN2 is assembled hidden and renamed into place: nothing is left on an error.
 from __future__ import annotations
 
 import argparse
-import copy
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -61,7 +61,7 @@ def merged_state(model: MoEModel) -> dict[str, torch.Tensor]:
     return out
 
 
-def merge(run_dir: str | Path, out: str | Path, progress: bool = True) -> RunConfig:
+def merge(run_dir: str | Path, out: str | Path) -> RunConfig:
     """Merge RUN's adapters (module note); returns RUN2's config."""
     run_dir, out = Path(run_dir), Path(out).absolute()
     atomic.require_empty_dir(out)
@@ -69,14 +69,12 @@ def merge(run_dir: str | Path, out: str | Path, progress: bool = True) -> RunCon
     if model.lora is None:
         raise ValueError(f"{run_dir}: train.lora.rank=0, not a LoRA run (nothing to merge)")
     state = merged_state(model)
-    new_cfg = copy.deepcopy(cfg)
-    new_cfg.train.lora = LoRAConfig()
-    new_cfg = RunConfig(**{k: getattr(new_cfg, k) for k in ("model", "train", "data", "log", "parallel")})
+    new_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lora=LoRAConfig()))
     with torch.device("meta"):
         plain = MoEModel(new_cfg.model)
     plain.materialize("cpu")
-    missing = plain.load_state_dict(state, strict=True)
-    del missing, model
+    plain.load_state_dict(state, strict=True)
+    del model
     path = ckpt.latest_checkpoint(run_dir)
     step = int(dist_checkpoint.trainer_state(path)["step"])
     with atomic.build_dir(out) as tmp:
@@ -97,10 +95,9 @@ def main(argv: list[str] | None = None) -> int:
                                 "into its base: a full run.")
     p.add_argument("run_dir", help="the LoRA run")
     p.add_argument("--out", required=True, help="the merged run's folder (absent or empty)")
-    p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     try:
-        merge(args.run_dir, args.out, not args.no_progress)
+        merge(args.run_dir, args.out)
     except (ValueError, FileNotFoundError) as err:
         print(f"dropless merge-lora: error: {err}", file=sys.stderr)
         return 2

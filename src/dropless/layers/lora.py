@@ -100,7 +100,9 @@ def expert_adapter_rules(experts: nn.Module) -> dict[str, init.Rule]:
 
 
 def has_expert_adapters(experts: nn.Module) -> bool:
-    return getattr(experts, "lora_a1_EDr", None) is not None
+    # a dict lookup, not getattr: nn.Module's __getattr__ raises and catches on every expert call of a
+    # run without adapters
+    return "lora_a1_EDr" in experts._parameters
 
 
 def expert_adapters(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

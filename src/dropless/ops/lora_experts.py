@@ -35,16 +35,10 @@ from typing import Callable
 import torch
 
 from . import grouped_gemm
-from .lean_experts import BACKENDS, RowSource, _act, _fused, _swiglu_recompute_backward, regather
+from .lean_experts import BACKENDS, RowSource, _act, _fused, _gemm, _swiglu_recompute_backward, regather
 from .activations import swiglu_forward, weighted_swiglu
 
 Dequant = Callable[[], tuple[torch.Tensor, torch.Tensor]]
-
-
-def _gemm(x: torch.Tensor, w: torch.Tensor, offsets_E: torch.Tensor, backend: str) -> torch.Tensor:
-    if backend == "grouped_mm":
-        return grouped_gemm.grouped_mm(x, w, offsets_E)
-    return grouped_gemm.grouped_mm_reference(x, w, offsets_E)
 
 
 def _activate(h_RW: torch.Tensor, w_R: torch.Tensor | None, kind: str, clamp: float | None,

@@ -77,7 +77,7 @@ from ..layers import recompute as recompute_mod
 from ..layers.experts import ExpertBatch, GroupedExperts
 from ..layers.mtp import mtp_loss
 from ..model import Block, MoEModel
-from ..ops.head_loss import CHUNK_TOKENS, head_loss
+from ..ops.head_loss import head_loss
 from ..ops.lean_experts import RowSource
 from ..saved_bytes import saved_bytes
 from .fake_world import fake_world, storage_key

@@ -206,7 +206,8 @@ def load_full_model(path: Path, model: torch.nn.Module) -> dict[str, Any]:
     state = {"model": {k: v for k, v in model.state_dict().items() if k not in frozen}}
     _dcp(dcp.load, state, Path(path), distributed=False)
     missing = model.load_state_dict(state["model"], strict=not frozen).missing_keys
-    assert set(missing) <= frozen, missing  # strict=False only lets the frozen base be absent
+    if not set(missing) <= frozen:  # strict=False only lets the frozen base be absent
+        raise ValueError(f"{path}: the checkpoint lacks {sorted(set(missing) - frozen)[:5]}")
     return trainer_state(path)
 
 

@@ -4,6 +4,9 @@ device, whatever world size wrote it.
 A run directory written by `dropless quantize` (4-bit routed experts, runs/packed.py) loads the
 same way: its config and a model whose MoE layers hold `PackedExperts`.
 
+A LoRA run's checkpoint holds its adapters: the base is rebuilt from `train.lora.base_from` and its
+digest checked against the one the run recorded (runs/lora_base.py) before the adapters load.
+
 `model_cfg` (optional) maps the run's ModelConfig to the one to build (serving-time changes that keep
 every parameter's shape, e.g. fewer experts per token); the checkpoint's tensors must still fit it.
 """

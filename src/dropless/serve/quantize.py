@@ -199,10 +199,11 @@ def main(argv: list[str] | None = None) -> int:
             out = quantize_run(args.run_dir, args.experts, args.out)
             print(f"wrote {out} ({args.experts} routed experts)", file=sys.stderr)
         if args.report:
-            original, cfg = load_model(args.run_dir, "cpu")
-            if original.lora is not None:  # (as quantize_run: the packed experts would drop the adapters)
-                raise ValueError(f"train.lora.rank={cfg.train.lora.rank}: {args.run_dir} is a LoRA run; merge "
+            lora = run_config(args.run_dir)[0].train.lora
+            if lora.enabled:  # (as quantize_run: the packed experts would drop the adapters), before the load
+                raise ValueError(f"train.lora.rank={lora.rank}: {args.run_dir} is a LoRA run; merge "
                                  "it first (dropless merge-lora RUN --out RUN2) and report on RUN2")
+            original, cfg = load_model(args.run_dir, "cpu")
             if args.out is not None:  # the written directory, loaded back as evaluate would
                 variants = {args.experts: load_model(args.out, "cpu")[0]}
             else:

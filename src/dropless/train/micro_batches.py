@@ -1,5 +1,6 @@
 """One optimizer step's forward and backward passes: `grad_accum` micro-batches, each forward under
-the placement's autocast (fp32 master weights), the backward of loss / grad_accum.
+the placement's autocast (fp32 master weights; a LoRA run's frozen base is held narrower, and its
+forward returns the loss only, `loss_only`), the backward of loss / grad_accum.
 
 The losses stay on the device (means over the micro-batches, read by the host on log steps only).
 With `model.moe.balance.global_aux_loss_coeff` the global-batch aux loss needs the counts of the
