@@ -290,6 +290,9 @@ class TrainConfig:
     # with it) and the gradient norm and optimizer update (graphs of their own). true / false read as
     # "blocks" / "off".
     compile: str = "off"
+    # what builds the compiled graphs: "inductor" (kernels) or "aot_eager" (the same graphs traced,
+    # run with the eager kernels: a quick check that a configuration compiles without a graph break)
+    compile_backend: str = "inductor"
     # CUDA graphs: replay the compiled step's kernels as captured graphs (train.compile = "step", CUDA
     # only; inductor's "reduce-overhead" mode)
     cuda_graphs: bool = False
@@ -306,6 +309,7 @@ class TrainConfig:
         # a bool from an older config.toml or `--set train.compile=true` (read as a string)
         self.compile = COMPILE_ALIASES.get(str(self.compile).lower(), self.compile)
         _choice("train.compile", self.compile, COMPILE_MODES)
+        _choice("train.compile_backend", self.compile_backend, ("inductor", "aot_eager"))
         if self.cuda_graphs and self.compile != "step":
             raise ValueError(f"train.cuda_graphs=true: captures the compiled step, so it needs "
                              f"train.compile=step (got {self.compile!r})")

@@ -54,15 +54,15 @@ def _graphs_per_step(trainer: Trainer) -> list[int]:
 
 
 @pytest.mark.parametrize("dtype,optimizer", [("fp32", "muon"), ("bf16", "adamw")])
-def test_200_steps_build_their_graphs_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str,
-                                          optimizer: str) -> None:
+def test_200_steps_build_their_graphs_once(tmp_path: Path, dtype: str, optimizer: str) -> None:
     """200 steps of changing routing (new batches, moving weights, the expert counts of every layer
     different each step), log steps and evaluations among them: every graph is built in the first
     steps (the model's for plain and for log steps, the norm's, the update's) and none after;
     no graph break anywhere."""
-    monkeypatch.setattr(compiling, "BACKEND", "aot_eager")
     trainer = _trainer(tmp_path, f"train.dtype={dtype}", f"train.optimizer={optimizer}", "train.steps=200",
-                       "train.eval_every=100", "train.ckpt_every=100", "log.log_every=25")
+                       "train.eval_every=100", "train.ckpt_every=100", "log.log_every=25",
+                       "train.compile_backend=aot_eager")
+    assert trainer.step_fns.update.backend == "aot_eager"
     seen = _graphs_per_step(trainer)
     assert len(seen) == 200
     assert seen[WARM_UP - 1] == seen[-1] == 5, seen[:WARM_UP + 3]
@@ -77,7 +77,7 @@ def test_200_steps_build_their_graphs_once(tmp_path: Path, monkeypatch: pytest.M
 def test_an_injected_graph_break_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The check above fails on a graph break: the fullgraph compile of the model refuses it and the
     run would fall back to eager with a warning, which the check turns into an error."""
-    monkeypatch.setattr(compiling, "BACKEND", "aot_eager")
+    monkeypatch.setitem(compiling.BACKENDS, "inductor", "aot_eager")
     real = MoELayer._stats
 
     def with_break(self, *args):
@@ -92,7 +92,7 @@ def test_an_injected_graph_break_is_caught(tmp_path: Path, monkeypatch: pytest.M
 def test_a_recompile_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """... and on a recompile: a Python value the model's graph reads that changes every step (a
     string: dynamo guards on its value) builds a new graph each step."""
-    monkeypatch.setattr(compiling, "BACKEND", "aot_eager")
+    monkeypatch.setitem(compiling.BACKENDS, "inductor", "aot_eager")
     tag = {"step": "0"}
     real_stats = MoELayer._stats
 
@@ -115,7 +115,7 @@ def test_a_recompile_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_compiled_step_follows_eager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str) -> None:
-    monkeypatch.setattr(compiling, "BACKEND", "aot_eager")
+    monkeypatch.setitem(compiling.BACKENDS, "inductor", "aot_eager")
     extra = (f"train.dtype={dtype}", "train.optimizer=muon", "train.steps=5", "train.eval_every=5")
     Trainer(tiny(*extra), tmp_path / "eager").fit()
     _graphs_per_step(_trainer(tmp_path / "step", *extra))

@@ -51,7 +51,7 @@ def _check_agree(tmp_path: Path, tol: float, *extra: str) -> None:
 
 
 def test_compiled_training_follows_eager_over_five_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(compiling, "BACKEND", "aot_eager")
+    monkeypatch.setitem(compiling.BACKENDS, "inductor", "aot_eager")
     _check_agree(tmp_path, COMPILED_TRAINING)
 
 
@@ -93,7 +93,7 @@ def test_failure_at_the_first_step_falls_back_to_eager_with_one_warning(tmp_path
         calls.append(1)
         raise RuntimeError("simulated: C++ compile failed")
 
-    monkeypatch.setattr(compiling, "BACKEND", broken)
+    monkeypatch.setitem(compiling.BACKENDS, "inductor", broken)
     losses, trainer, fallback = _fallback_run(tmp_path)
     assert calls, "the backend was never asked to compile"
     assert trainer.compiled is not None and "simulated" in trainer.compiled.failed
@@ -104,7 +104,7 @@ def test_failure_at_the_first_step_falls_back_to_eager_with_one_warning(tmp_path
 
 def test_fp32_compiled_training_follows_eager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """fp32 experts trace through ops/grouped_mm_op.py (torch's own op traces bf16 only)."""
-    monkeypatch.setattr(compiling, "BACKEND", "aot_eager")
+    monkeypatch.setitem(compiling.BACKENDS, "inductor", "aot_eager")
     _check_agree(tmp_path, COMPILED_TRAINING, "train.dtype=fp32")
 
 

@@ -254,16 +254,16 @@ MIXED = [((16, 64, 96), Split(batched=True, axis=-1, sizes=(48, 48), out_axis=-1
          ((0, 32, 64), Split(batched=True, axis=-1, sizes=(32, 32), out_axis=-1))]  # no local experts
 
 
-@pytest.mark.parametrize("chunk", [1, 3, None], ids=["one_by_one", "threes", "all"])
+@pytest.mark.parametrize("chunk", [1, 3 * 4 * 64 * 64, None], ids=["one_by_one", "about_threes", "all"])
 @pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_batching_same_shapes_changes_no_bits(chunk: int | None, ns_dtype: torch.dtype) -> None:
-    """Blocks of several weights grouped by shape and iterated in chunks give each weight's own
-    orthogonalisation bit for bit, whatever the chunk (muon_ns.py: the CPU takes one matrix at a time,
-    CUDA all of a shape)."""
+    """Blocks of several weights grouped by shape and iterated in chunks (`chunk` bytes of fp32
+    matrices per call; 1: one matrix at a time) give each weight's own orthogonalisation bit for bit,
+    whatever the chunk (muon_ns.py: the CPU takes ~1 MiB at a time, CUDA all of a shape)."""
     g = torch.Generator().manual_seed(0)
     us = [torch.randn(shape, generator=g) for shape, _ in MIXED]
     splits = [s for _, s in MIXED]
-    many = orthogonalise_many(us, splits, ns_dtype=ns_dtype, chunk=chunk)
+    many = orthogonalise_many(us, splits, ns_dtype=ns_dtype, chunk_bytes=chunk)
     for u, s, o in zip(us, splits, many):
         assert torch.equal(o, orthogonalise(u, s, ns_dtype=ns_dtype)), (tuple(u.shape), s)
 
@@ -279,7 +279,7 @@ def test_a_bucket_of_parameters_steps_as_one_by_one(monkeypatch: pytest.MonkeyPa
         opt = build_optimizer(model, load_config(None, ["train.optimizer=muon", "train.weight_decay=0.1"]).train)
         if bucket:
             monkeypatch.setattr(muon_mod, "bucket_bytes", lambda device: 2**40)
-            monkeypatch.setattr(muon_mod, "ns_chunk", lambda device: None)
+            monkeypatch.setattr(muon_mod, "ns_chunk_bytes", lambda device: None)
         for step in range(2):
             _loss(model, step).backward()
             opt.step()

@@ -199,7 +199,7 @@ class Bench:
 
 
 def build(shape: Shape, device: torch.device, dtype: str = "auto", rows: tuple[str, ...] = ROWS,
-          backend: str | Callable | None = None, align: int = 1) -> Bench:
+          backend: str | None = None, align: int = 1) -> Bench:
     """The models, optimizers and batch of one benchmark (weights seeded: the same every run)."""
     placement = resolve(device, dtype)
     torch.manual_seed(0)
@@ -255,7 +255,7 @@ def uses_grouped_mm(bench: Bench) -> bool:
 
 def run(shape_name: str, device: torch.device, dtype: str, steps: int, warmup: int,
         rows: tuple[str, ...] = ROWS, progress: Callable[[str], None] | None = None,
-        backend: str | Callable | None = None, align: int = 1) -> tuple[list[dict], dict]:
+        backend: str | None = None, align: int = 1) -> tuple[list[dict], dict]:
     shape = SHAPES[shape_name]
     say = progress or (lambda msg: None)
     say("building models")

@@ -89,7 +89,7 @@ FACTORS: list[tuple[str, dict[str, list[str]]]] = [
     ("optimizer", {"adamw": [], "adamw_bf16": ["train.optimizer=adamw_bf16"], "muon": ["train.optimizer=muon"],
                    "muon-ns-bf16": ["train.optimizer=muon", "train.muon_ns_dtype=bf16"]}),
     ("dtype", {"fp32": [], "bf16": ["train.dtype=bf16"]}),
-    ("compile", {"eager": [], "compile": ["train.compile=true"]}),
+    ("compile", {"eager": [], "compile": ["train.compile=blocks"], "step": ["train.compile=step"]}),
     ("grad_accum", {"1": [], "accum2": ["train.grad_accum=2"]}),
     ("layout", {"1proc": [], "ep2": EP2,
                 "ep2-buf-spill": [*BUFFERED, "parallel.ragged_buffer_factor=1.0", "parallel.on_overflow=spill",
@@ -125,9 +125,10 @@ FAMILY_ROWS = {
 }
 
 # Pairs the generator puts in as few rows as it can (once each): a real inductor compile costs about
-# 100 s of CPU on a 2-core runner; with train.dtype=fp32 compile stays eager (train/compiling.py), so the
-# other rows with `compile` run its fallback path.
-EXPENSIVE = [(("compile", "compile"), ("dtype", "bf16"))]
+# 100 s of CPU on a 2-core runner. These rows build with inductor; every other row that compiles traces
+# the same graphs with train.compile_backend=aot_eager (matrix.py `spec_of`): graph breaks, recompiles
+# and tracing failures show there in seconds, inductor's code generation in these rows.
+EXPENSIVE = [(("compile", "compile"), ("dtype", "bf16")), (("compile", "step"), ("dtype", "bf16"))]
 
 LEFT_OUT = {
     "model.recompute shared_experts / full": "shared_experts needs shared experts (a value may not depend on "

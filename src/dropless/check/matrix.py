@@ -84,6 +84,15 @@ def compiles(values: list[fx.Value]) -> bool:
     return any(a in labels and b in labels for a, b in fx.EXPENSIVE)
 
 
+def spec_of(values: list[fx.Value], stages: list[str]) -> dict[str, Any]:
+    """A row's spec for check/row.py: its overrides (a row that compiles but is not one of the
+    EXPENSIVE pairs traces with aot_eager: factors.EXPENSIVE), stage options and stages."""
+    overrides = covering.overrides(values)
+    if any(o.startswith("train.compile=") for o in overrides) and not compiles(values):
+        overrides = [*overrides, "train.compile_backend=aot_eager"]
+    return {"overrides": overrides, "options": fx.stage_options(values), "stages": stages}
+
+
 Rows = list[tuple[tuple[int, ...], str]]  # (a value index per factor, "" or "hf:FAMILY")
 
 
@@ -164,7 +173,7 @@ def run_rows(m: covering.Matrix, rows: Rows, numbers: list[int], stages: list[st
             values = m.values(rows[n - 1][0])
             folder = root / f"row-{n:03d}"
             folder.mkdir(parents=True)
-            spec = {"overrides": covering.overrides(values), "options": fx.stage_options(values), "stages": stages}
+            spec = spec_of(values, stages)
             (folder / "spec.json").write_text(json.dumps(spec, indent=1))
             proc = fork.Process(target=_row_process, args=(spec, folder), daemon=False)
             proc.start()

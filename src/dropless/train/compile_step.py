@@ -31,7 +31,7 @@ class CompiledFn:
     """`fn` compiled (fullgraph), or eager once its first call failed (module note)."""
 
     def __init__(self, fn: Callable, name: str, backend: str | Callable, mode: str | None) -> None:
-        self.fn, self.name = fn, name
+        self.fn, self.name, self.backend = fn, name, backend
         self.compiled = torch.compile(fn, fullgraph=True, backend=backend,
                                       **({"mode": mode} if mode is not None else {}))
         self.failed: str | None = None
@@ -83,15 +83,14 @@ def check_cuda_graphs(t: TrainConfig, device: torch.device) -> None:
                          f"{device.type!r} (train.device={t.device!r}); leave it off")
 
 
-def build_step_fns(t: TrainConfig, layout: Layout, model: nn.Module, optimizer: torch.optim.Optimizer,
-                   backend: str | Callable | None = None) -> StepFns:
-    """The eager functions, compiled under train.compile = "step" unless the backend cannot
-    (compiling.compiler_problem: one warning, eager)."""
+def build_step_fns(t: TrainConfig, layout: Layout, model: nn.Module, optimizer: torch.optim.Optimizer) -> StepFns:
+    """The eager functions, compiled under train.compile = "step" with train.compile_backend unless
+    the backend cannot (compiling.compiler_problem: one warning, eager)."""
     fns = StepFns(layout, model, optimizer, t.grad_clip)
     if t.compile != "step":
         return fns
     check_cuda_graphs(t, layout.device)
-    backend = compiling.BACKEND if backend is None else backend
+    backend = compiling.BACKENDS[t.compile_backend]
     problem = compiling.compiler_problem(layout.device, backend)
     if problem is not None:
         warnings.warn(f"train.compile=step: {problem}; training continues eager", compiling.CompileFallback,

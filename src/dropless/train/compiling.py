@@ -45,7 +45,10 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-BACKEND = "inductor"
+# train.compile_backend -> what torch.compile is given: inductor builds kernels; aot_eager traces the
+# same graphs (dynamo, AOTAutograd) and runs them with the eager kernels: a check of the tracing
+# (graph breaks, recompiles) in seconds, without the minutes of a C++ or Triton build
+BACKENDS: dict[str, str | Callable] = {"inductor": "inductor", "aot_eager": "aot_eager"}
 
 
 class CompileFallback(UserWarning):
@@ -133,10 +136,10 @@ def _describe(err: BaseException) -> str:
 
 def compile_blocks(model: nn.Module, device: torch.device,
                    backend: str | Callable | None = None) -> CompiledBlocks | None:
-    """Compile every block of `model` (its `blocks` list) in place with `backend` (default BACKEND,
-    read at the call: tests set "aot_eager", which traces the same graphs and runs eager kernels).
-    None, with one CompileFallback warning, where `compiler_problem` says it cannot compile."""
-    backend = BACKEND if backend is None else backend
+    """Compile every block of `model` (its `blocks` list) in place with `backend` (a
+    train.compile_backend name; default inductor). None, with one CompileFallback warning, where
+    `compiler_problem` says it cannot compile."""
+    backend = BACKENDS[backend or "inductor"]
     problem = compiler_problem(device, backend)
     if problem is not None:
         warnings.warn(f"train.compile=blocks: {problem}; training continues eager", CompileFallback, stacklevel=2)

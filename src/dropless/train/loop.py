@@ -92,7 +92,8 @@ class Trainer:
         check_cuda_graphs(t, lay.device)  # before anything is written
         # train.compile: the blocks, or the whole model, compiled in place (names, state and
         # checkpoints unchanged); under "step" also the gradient norm and the update (compile_step.py)
-        self.compiled = compiling.compile_blocks(self.model, lay.device) if t.compile == "blocks" else None
+        self.compiled = (compiling.compile_blocks(self.model, lay.device, t.compile_backend)
+                         if t.compile == "blocks" else None)
         self.optimizer = build_optimizer(self.model, t, lay.placement.autocast_dtype)
         self.step_fns = build_step_fns(t, lay, self.model, self.optimizer)
         if self.step_fns.model_graph is not None:

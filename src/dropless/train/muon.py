@@ -56,6 +56,10 @@ every rank runs the same iteration on the same data, and keeps its own rows (`di
 with `src_data_rank=None`: a local slice, no second collective). Every rank repeats the dense NS;
 spreading whole matrices round-robin would save that for a scatter, not worth it at these sizes.
 
+Batching (muon_ns.py): the matrices of one shape share the Newton-Schulz iterations (CUDA: every
+parameter of a bucket of updates; the CPU: about 1 MiB of matrices at a time, which stays in cache). Each
+matrix is iterated on its own either way, so the batching changes no bits.
+
 Skipping a step on the device. Like fused AdamW and AdamWBF16, `step()` reads an optional attribute
 `found_inf` (float scalar tensor, 1.0 = skip): parameters, momenta, moments and step counts are left
 bit-identical, decided with `torch.where`, no host read. The state is created eagerly in the
@@ -88,7 +92,7 @@ from ..layers.experts import GroupedExperts
 from ..layers.mlp import MLP
 from ..model import Attention
 from ..ops.activations import is_gated
-from .muon_ns import (NS_COEFFS, NS_EPS, NS_STEPS, RMS_MATCH, Split, bucket_bytes, newton_schulz, ns_chunk,
+from .muon_ns import (NS_COEFFS, NS_EPS, NS_STEPS, RMS_MATCH, Split, bucket_bytes, newton_schulz, ns_chunk_bytes,
                       orthogonalise, orthogonalise_many, orthogonalise_reference, scale_of)
 from .optim_lowp import step_prologue
 
@@ -221,8 +225,11 @@ class Muon(torch.optim.Optimizer):
                      skip: torch.Tensor | None) -> None:
         """p <- p (1 - lr wd) - lr O(u) for each (p, group, local u, u to orthogonalise) of the bucket."""
         device = bucket[0][2].device
+        # traced (train.compile=step): all of a shape at once, so the graph holds 15 products per
+        # shape instead of 15 per matrix (the same bits: muon_ns.py)
+        chunk = None if torch.compiler.is_compiling() else ns_chunk_bytes(device)
         os = orthogonalise_many([full for *_, full in bucket], [self.splits[p] for p, *_ in bucket],
-                                self.rms_match, self.ns_dtype, ns_chunk(device))
+                                self.rms_match, self.ns_dtype, chunk)
         for (p, group, u, _), o in zip(bucket, os):
             lr, wd = group["lr"], group["weight_decay"]
             w = _local(p)

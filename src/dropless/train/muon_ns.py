@@ -12,11 +12,15 @@ changes is the speed, and the best batch differs by device:
   of every layer, the gate and up halves, q, k, v and the output projection when square): 15
   launches per shape instead of 15 per block. A bucket holds at most `BUCKET_BYTES` of updates (the
   stacked copy is the transient), so a large model never stacks all its matrices at once.
-* CPU: one matrix at a time. Measured (2-core AMD EPYC, AVX2, fp32, 1 thread): 48 matrices of
-  256 x 256 in 0.45 s one by one, 0.48 s in batches of 4, 0.57 s in batches of 16 (one layer's
-  experts), 0.63 s in one batch of 48: a 256 x 256 fp32 matrix and its Gram products (~1 MB) stay
-  in the core's cache; a batch of them does not. Parameters are then taken one by one (no bucket),
-  which also keeps the CPU's transient at one parameter's update, as before.
+* CPU: about 1 MiB of fp32 matrices per call (`CPU_CHUNK_BYTES`), so that a chunk and its Gram
+  products stay in cache. Measured (2-core AMD EPYC, AVX2 only, fp32, quiet machine), 48 matrices
+  of 256 x 256, seconds by matrices per call:
+      threads   1      2      4      8      16     48
+      2         0.241  0.183  0.175  0.181  0.190  0.224
+      1         0.320  0.308  0.326  0.349  0.365  0.411
+  and 48 of 128 x 128 at 2 threads: 0.090 one by one, 0.033 by 8 or 16. The budget gives 4 at
+  256 x 256 and 16 at 128 x 128. Parameters are taken one by one (no bucket), which keeps the CPU's
+  transient at one parameter's update, as before.
 """
 
 from __future__ import annotations
@@ -104,15 +108,20 @@ def bucket_bytes(device: torch.device) -> int:
     return BUCKET_BYTES.get(device.type, 0)
 
 
-def ns_chunk(device: torch.device) -> int | None:
-    """Matrices per Newton-Schulz call (module note): one on the CPU, all of a shape elsewhere."""
-    return 1 if device.type == "cpu" else None
+CPU_CHUNK_BYTES = 2**20  # fp32 bytes of matrices per Newton-Schulz call on the CPU (module note)
+
+
+def ns_chunk_bytes(device: torch.device) -> int | None:
+    """Bytes of matrices per Newton-Schulz call (module note): about 1 MiB on the CPU, all of a shape
+    elsewhere (None)."""
+    return CPU_CHUNK_BYTES if device.type == "cpu" else None
 
 
 def orthogonalise_many(us: list[torch.Tensor], splits: list[Split], rms_match: float | None = RMS_MATCH,
-                       ns_dtype: torch.dtype = torch.float32, chunk: int | None = None) -> list[torch.Tensor]:
+                       ns_dtype: torch.dtype = torch.float32, chunk_bytes: int | None = None) -> list[torch.Tensor]:
     """[orthogonalise(u, split) for each], the same bits, with the blocks of all of them grouped by
-    shape (wide orientation) and each group iterated `chunk` matrices at a time (None: all at once)."""
+    shape (wide orientation) and each group iterated `chunk_bytes` of fp32 matrices at a time (at
+    least one matrix; None: all at once)."""
     groups: dict[tuple[int, int], list[tuple[int, int, bool, torch.Tensor]]] = {}
     n_blocks = []
     for i, (u, split) in enumerate(zip(us, splits)):
@@ -128,7 +137,8 @@ def orthogonalise_many(us: list[torch.Tensor], splits: list[Split], rms_match: f
         # contiguous wide matrices whatever the batch (a transposed or sliced view would take other
         # GEMM and reduction paths: other bits)
         stacked = torch.cat([w for *_, w in items])
-        step = chunk or max(stacked.shape[0], 1)
+        step = max(stacked.shape[0], 1) if chunk_bytes is None else \
+            max(1, chunk_bytes // (4 * stacked.shape[-2] * stacked.shape[-1]))
         o = torch.cat([newton_schulz(part, dtype=ns_dtype) for part in stacked.split(step)]) \
             if stacked.shape[0] else newton_schulz(stacked, dtype=ns_dtype)
         for (i, j, tall, w), o_BRC in zip(items, o.split([w.shape[0] for *_, w in items])):
