@@ -401,6 +401,10 @@ class RunConfig:
             _fail("model.vocab_size", self.model.vocab_size, "is below the 256 ids of data.tokenizer='byte'")
         self.parallel.check_run(self.model.moe, self.train.batch_size * self.train.seq_len, self.train.optimizer)
         check_lora_model(self.train.lora, self.model, self.parallel, self.train.optimizer)
+        if self.train.compile == "step" and self.parallel.ep_size > 1:
+            _fail("train.compile", "step", f"with parallel.ep_size={self.parallel.ep_size}: the whole step "
+                  "compiles in one process (FSDP2's hooks and the gradient norm's collectives break its "
+                  "graphs); use train.compile=blocks under several processes")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:

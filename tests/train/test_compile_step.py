@@ -101,7 +101,7 @@ def test_a_recompile_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         return out if tag["step"] != "never" else None
 
     monkeypatch.setattr(MoELayer, "_stats", stats_reading_a_string)
-    trainer = _trainer(tmp_path, "train.steps=6")
+    trainer = _trainer(tmp_path, "train.steps=4")
     real = trainer.train_step
 
     def tagged(step: int, log_step: bool = False):
@@ -144,3 +144,14 @@ def test_cuda_graphs_refused_off_cuda_before_anything_is_written(tmp_path: Path)
     assert not (tmp_path / "run").exists()
     with pytest.raises(ValueError, match="train.cuda_graphs=true.*train.compile=step"):
         tiny("train.cuda_graphs=true")
+
+
+def test_several_processes_are_refused_before_anything_starts(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The whole step compiles in one process: EP in the config, or --nproc > 1 at the launcher."""
+    with pytest.raises(ValueError, match="train.compile='step': with parallel.ep_size=2"):
+        tiny("train.compile=step", "parallel.ep_size=2")
+    from dropless.train import run
+
+    assert run.main(["--nproc", "2", "--run-dir", str(tmp_path / "run"), "--set", "train.compile=step"]) == 2
+    assert "train.compile='step' with --nproc 2" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

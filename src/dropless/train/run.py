@@ -165,7 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         path = preset_path(args.config or DEFAULT_PRESET)
         if args.nproc and not under_torchrun:
             run_dir = choose_run_dir(args, path.stem)
-            resolve_config(args, path, run_dir)  # a bad config fails here, before N processes start
+            cfg = resolve_config(args, path, run_dir)  # a bad config fails here, before N processes start
+            if cfg.train.compile == "step" and args.nproc > 1:  # (the Trainer refuses it too, per rank)
+                raise ValueError(f"train.compile='step' with --nproc {args.nproc}: the whole step compiles in one "
+                                 "process; use train.compile=blocks under several processes")
             return launch(args, argv, run_dir)
         from ..distributed.mesh import init_distributed
         from ..device import resolve_device
