@@ -96,9 +96,10 @@ from .muon_ns import (NS_COEFFS, NS_EPS, NS_STEPS, RMS_MATCH, Split, bucket_byte
                       orthogonalise, orthogonalise_many, orthogonalise_reference, scale_of)
 from .optim_lowp import step_prologue
 
-__all__ = ["NS_COEFFS", "NS_EPS", "NS_STEPS", "RMS_MATCH", "MOMENTUM", "Muon", "Split", "muon_param_groups",
-           "orthogonalise_many",
-           "newton_schulz", "orthogonalise", "orthogonalise_reference", "scale_of", "split_params"]
+# the Newton-Schulz names are muon_ns.py's, re-exported: this module is where callers find Muon's maths
+__all__ = ["MOMENTUM", "Muon", "NS_COEFFS", "NS_EPS", "NS_STEPS", "RMS_MATCH", "Split", "muon_param_groups",
+           "newton_schulz", "orthogonalise", "orthogonalise_many", "orthogonalise_reference", "scale_of",
+           "split_params"]
 MOMENTUM = 0.95
 
 
@@ -139,9 +140,9 @@ def _gathered(u: torch.Tensor, p: torch.Tensor, split: Split) -> torch.Tensor:
     return DTensor.from_local(u, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
 
 
-def _local_part(o: torch.Tensor, p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """This rank's rows of the orthogonalised update `o` of `p` (`u` its local update)."""
-    if o.shape == u.shape:
+def _local_part(o: torch.Tensor, p: torch.Tensor, gathered: bool) -> torch.Tensor:
+    """This rank's rows of the orthogonalised update `o` of `p` (whole when `_gathered` gathered it)."""
+    if not gathered:
         return o
     return distribute_tensor(o, p.device_mesh, p.placements, src_data_rank=None).to_local()
 
@@ -230,11 +231,11 @@ class Muon(torch.optim.Optimizer):
         chunk = None if torch.compiler.is_compiling() else ns_chunk_bytes(device)
         os = orthogonalise_many([full for *_, full in bucket], [self.splits[p] for p, *_ in bucket],
                                 self.rms_match, self.ns_dtype, chunk)
-        for (p, group, u, _), o in zip(bucket, os):
+        for (p, group, u, full), o in zip(bucket, os):
             lr, wd = group["lr"], group["weight_decay"]
             w = _local(p)
             new_w = w * (1 - lr * wd)
-            new_w -= lr * _local_part(o, p, u)
+            new_w -= lr * _local_part(o, p, gathered=full is not u)
             w.copy_(new_w if skip is None else torch.where(skip, w, new_w))
 
     def _adamw(self, p: torch.Tensor, group: dict, found_inf: torch.Tensor | None,
