@@ -46,6 +46,8 @@ ISA_TESTS += tests/test_lean_experts.py
 ISA_TESTS += tests/distributed/test_ep_spill.py tests/distributed/test_ep_adaptive.py tests/distributed/test_ep_replicas.py
 ISA_TESTS += tests/distributed/test_ep_overlap.py tests/distributed/test_knobs_ep.py tests/train/test_bias_rules.py
 ISA_TESTS += tests/distributed/test_lora_ep.py tests/train/test_lora_train.py
+# Muon batching changes no bits only if a batched GEMM computes each matrix as it computes it alone
+ISA_TESTS += tests/train/test_muon.py
 ISA_SETTINGS ?= AVX512 AVX2
 
 test-isa: $(STAMP)
