@@ -62,7 +62,7 @@ def test_collapsed_router_is_flagged(tmp_path: Path) -> None:
     kinds = train_like(build(E=6, K=1, bias=[10.0, 0, 0, 0, 0, 0]), tmp_path)
     assert "collapse" in kinds
     alarm = json.loads((tmp_path / "health.jsonl").read_text().splitlines()[0])
-    assert alarm["kind"] == "collapse" and alarm["metric"] == "maxvio_global"
+    assert alarm["kind"] == "collapse" and alarm["metric"] == "maxvio_global_mean"
     assert alarm["value"] == pytest.approx(5.0) and alarm["layer"] == 0 and alarm["step"] == 0
     assert "aux_loss_coeff" in alarm["action"]
 

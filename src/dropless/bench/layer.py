@@ -64,6 +64,8 @@ SHAPES = {
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 ZIPF_EXPONENT = 1.0
 COLUMNS = ["variant", "fwd_ms", "fwd_bwd_ms", "ratio_to_dense"]
+VARIANTS = ("dropless", "dropless@balanced", "dense_same_shape", "dense_wide", "loop_reference",
+            "padded_capacity", "hf_transformers")
 # (fwd, fwd_bwd) closures of one variant
 Variant = tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor | None]]
 
@@ -271,6 +273,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--json", help="write the rows to this file")
+    ap.add_argument("--count-ops", action="store_true",
+                    help="count ATen ops per forward + backward (torch profiler) instead of timing; "
+                         "see bench/op_count.py")
+    ap.add_argument("--tokens", type=int, help="with --count-ops: T instead of the shape's (the ops "
+                    "counted on the GPU path do not depend on T; a CPU profile of fewer tokens is faster)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("dropless bench layer: error: --device cuda: CUDA is not available to this torch", file=sys.stderr)
@@ -279,6 +286,12 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(args.threads)
     skip = tuple(v for v in args.skip.split(",") if v and v != "dense_same_shape")
     device = torch.device(args.device)
+    if args.count_ops:
+        return _count_ops(args, skip, device)
+    if args.tokens is not None:
+        print("dropless bench layer: error: --tokens is for --count-ops; timings use the shape's T",
+              file=sys.stderr)
+        return 2
     rows, meta = run(args.shape, args.routing, DTYPES[args.dtype], args.repeats, args.warmup, skip, device)
     T, D, E, K, Fw = SHAPES[args.shape]
     where = (f"device={torch.cuda.get_device_name(device)}" if device.type == "cuda"
@@ -290,7 +303,30 @@ def main(argv: list[str]) -> int:
         print(f"dropless fwd+bwd, skewed / balanced routing (same run): {meta['skew_slowdown']:.3f}")
     if "hf_rel_diff" in meta:
         print(f"hf_transformers vs dropless output, relative L2 difference: {meta['hf_rel_diff']:.2e}")
-    if args.json:
-        with atomic.atomic_write(args.json, "w") as fh:
+    _write_json(args.json, rows)
+    return 0
+
+
+def _write_json(path: str | None, rows: list[dict]) -> None:
+    if path:
+        with atomic.atomic_write(path, "w") as fh:
             json.dump(rows, fh, indent=1)
+
+
+def _count_ops(args: argparse.Namespace, skip: tuple[str, ...], device: torch.device) -> int:
+    """`--count-ops`: the ATen ops of one forward + backward per variant (bench/op_count.py)."""
+    from . import op_count
+
+    forwards, meta = build_forwards(args.shape, args.routing, DTYPES[args.dtype], device=device,
+                                    only={v for v in VARIANTS if v not in skip}, tokens=args.tokens)
+    rows, counts = op_count.count_variants(forwards)
+    T, D, E, K, Fw = dims(args.shape, args.tokens)
+    print(f"op count: {args.shape} (T={T} d={D} E={E} k={K} f={Fw}), routing={args.routing}, "
+          f"dtype={args.dtype}, device={device.type}: top-level ATen ops of one forward and one backward "
+          "(the loss y.float().square().mean() and its backward included alike)")
+    print(op_count.format_rows(rows))
+    for row in rows:
+        row["forward_by_op"] = dict(counts[row["variant"]].forward)
+        row["backward_by_op"] = dict(counts[row["variant"]].backward)
+    _write_json(args.json, rows)
     return 0

@@ -25,7 +25,7 @@ from ..config import MoEConfig
 from ..expert_slots import ExpertSlots
 from ..ops import routing
 from . import balance, decode_experts, identity, recompute
-from .dispatch import DispatchMeta, Dispatcher, build_dispatcher
+from .dispatch import DispatchMeta, Dispatcher, LocalMeta, build_dispatcher
 from .experts import ExpertBatch, GroupedExperts, resolve_backend
 from .latent import LatentProjection
 from .mlp import MLP
@@ -166,9 +166,10 @@ class MoELayer(nn.Module):
         y_TD = self._project_up(split.combine(routed.y_TD, xr_TD))
         y_TD = self._add_shared(y_TD, routed.shared_TD, x_TD)
         # losses and statistics over the E + Z selectable experts (identity experts count like any)
-        counts_E = routing.expert_counts(decision.ids_TK, self.slots.selectable, decision.valid_TK)
+        counts_E = self._counts(decision, split, routed)
         probs_TE = routing.router_probs(decision.scores_TE, self.cfg.router.score_func)
-        aux = routing.switch_aux_loss(probs_TE, counts_E, self.cfg.top_k)
+        probs_mean_E = probs_TE.mean(0)
+        aux = routing.switch_aux_loss(probs_TE, counts_E, self.cfg.top_k, probs_mean_E)
         seq_aux = self._seq_aux_loss(probs_TE, decision, shape)
         stats = self._stats(decision, counts_E, probs_TE, split, routed, xr_TD)
         return MoEOutput(
@@ -176,11 +177,21 @@ class MoELayer(nn.Module):
             aux_loss=aux,
             z_loss=routing.z_loss(decision.logits_TE),
             stats=stats,
-            probs_mean_E=probs_TE.mean(0),
+            probs_mean_E=probs_mean_E,
             seq_aux_loss=seq_aux,
             ids_TK=decision.ids_TK,
             valid_TK=decision.valid_TK,
         )
+
+    def _counts(self, decision: RoutingDecision, split: identity.Split, routed: RoutedRun) -> torch.Tensor:
+        """Pairs routed to each selectable expert. A local plan over exactly these experts counted
+        them already (from its sort of the same ids, valid pairs only, before any capacity drop): reuse
+        it. Otherwise (identity experts, expert parallelism, hot replicas, the decode path) count."""
+        meta = routed.meta
+        if (isinstance(split, identity.NoIdentity) and isinstance(meta, LocalMeta)
+                and meta.expert_of_group is None and meta.plan.num_experts == self.slots.selectable):
+            return meta.plan.counts_E
+        return routing.expert_counts(decision.ids_TK, self.slots.selectable, decision.valid_TK)
 
     def _project_down(self, x_TD: torch.Tensor) -> torch.Tensor:
         """LatentMoE: the routed experts read the latent projection of x (width l), else x itself."""

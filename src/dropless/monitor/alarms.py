@@ -7,13 +7,21 @@ first firing to `health.jsonl` in the run directory (format in docs/monitoring.m
 are defaults from the sources' figures, overridable per run.
 
 Rules:
-- collapse: global MaxVio above `maxvio_global`, or one expert taking more than `max_token_share`
-  of the tokens (and more than twice its fair share k/E).
+- collapse: the interval's global MaxVio above `maxvio_global`, or one expert taking more than
+  `max_token_share` of the tokens (and more than twice its fair share k/E).
 - dead_expert: an expert with no tokens over `dead_window` consecutive log intervals.
 - rogue_expert: output RMS max/median above `rms_max_over_median` (5,700x was observed).
 - dying_expert: output RMS min/median below `rms_min_over_median`.
-- aux_blind: the aux loss reads near its minimum 1.0 while global MaxVio is high: the router's
-  probabilities are flat, the real loads are not.
+- aux_blind: global MaxVio is high while the aux loss stays near its minimum 1.0: the router's
+  probabilities are flat, the real loads are not. "Near" is relative to the loads: a router whose
+  probabilities follow its loads reads aux - 1 close to E * sum_e f_e^2 - 1 (f: the interval's load
+  shares; the default run's rows read 0.47 to 3 times it), a flat router reads 0; the alarm fires
+  below `aux_blind_ratio` times it.
+
+"The interval's global MaxVio" is `maxvio_global_mean`, the mean over the interval's steps of each
+step's global MaxVio (the row's `maxvio_global` is the worst single step, which swings with the
+batch: the default run's worst steps read twice its means). Rows without the mean (records written
+outside the trainer) fall back to `maxvio_global`.
 - bias_drift: the largest |expert bias| above `bias_abs_max` and still growing over
   `drift_window` intervals.
 - dropped / overflow: pairs dropped or EP buffer overflow (never silent on a dropless path).
@@ -93,7 +101,7 @@ class AlarmThresholds:
     dead_window: int = 3
     rms_max_over_median: float = 100.0
     rms_min_over_median: float = 1e-3
-    aux_balanced_tol: float = 0.05  # |aux - 1| below this reads "balanced"
+    aux_blind_ratio: float = 0.2  # aux - 1 below this times (E * sum f^2 - 1) reads "flat"
     aux_blind_maxvio: float = 1.0
     bias_abs_max: float = 1.0
     drift_window: int = 3
@@ -123,6 +131,13 @@ class Alarm:
         where += f" expert {self.expert}" if self.expert is not None else ""
         return (f"[dropless health] step {self.step} {where}: {self.kind}: {self.metric}={self.value:.4g} "
                 f"(threshold {self.threshold:.4g}). Likely: {self.cause}. Do: {self.action}.")
+
+
+def load_excess(counts: list[int]) -> float:
+    """E * sum_e f_e^2 - 1 for the load shares f_e = counts / total: what the aux loss E * sum_e f_e P_e
+    reads above 1 when the router's probabilities P equal the loads; 0 for balanced loads or none."""
+    total = sum(counts)
+    return len(counts) * sum((c / total) ** 2 for c in counts) - 1.0 if total else 0.0
 
 
 def _alarm(kind: str, layer: int | None, step: int, metric: str, value: float, threshold: float,
@@ -183,9 +198,10 @@ class HealthMonitor:
     def _rules(self, i: int, step: int, row: dict) -> Iterator[Alarm]:
         th = self.thresholds
         counts = row["counts"]
-        vg = row.get("maxvio_global")
+        vio_name = "maxvio_global_mean" if row.get("maxvio_global_mean") is not None else "maxvio_global"
+        vg = row.get(vio_name)
         if vg is not None and vg > th.maxvio_global:
-            yield _alarm("collapse", i, step, "maxvio_global", vg, th.maxvio_global)
+            yield _alarm("collapse", i, step, vio_name, vg, th.maxvio_global)
         else:
             total = sum(counts)
             if total:
@@ -206,9 +222,10 @@ class HealthMonitor:
         if rmin is not None and rmin < th.rms_min_over_median:
             yield _alarm("dying_expert", i, step, "rms_min_over_median", rmin, th.rms_min_over_median)
         aux = row.get("aux_loss")
-        if (aux is not None and vg is not None and abs(aux - 1.0) < th.aux_balanced_tol
-                and vg > th.aux_blind_maxvio):
-            yield _alarm("aux_blind", i, step, "maxvio_global", vg, th.aux_blind_maxvio)
+        if aux is not None and vg is not None and vg > th.aux_blind_maxvio:
+            excess = load_excess(counts)
+            if excess > 0 and aux - 1.0 < th.aux_blind_ratio * excess:
+                yield _alarm("aux_blind", i, step, vio_name, vg, th.aux_blind_maxvio)
         b = row.get("bias_abs_max")
         if b is not None:
             hist = self._bias_hist.setdefault(i, [])

@@ -85,6 +85,9 @@ def _act(h_RW: torch.Tensor, w_R: torch.Tensor | None, kind: str, clamp: float |
 
 # at::internal::GRAIN_SIZE: an element-wise op over this many elements or fewer runs on one thread
 _GRAIN = 32768
+# the CPU's blocked recompute (`_swiglu_recompute_backward`); `bench layer --count-ops` turns it off to
+# count the ops a GPU runs (the same bits either way)
+CPU_BLOCKS = True
 
 
 def _row_aligned(n_rows: int, width: int) -> bool:
@@ -109,8 +112,11 @@ def _swiglu_recompute_backward(h_RW: torch.Tensor, w_R: torch.Tensor | None, da_
     Otherwise (a split inside a row) the whole-tensor functions themselves."""
     R, F_ = h_RW.shape[0], h_RW.shape[1] // 2
     rows = max(1, _GRAIN // max(F_, 1))
-    # is_compiling first: _row_aligned asks torch.get_num_threads(), which dynamo cannot trace
-    if torch.compiler.is_compiling() or R <= rows or not _row_aligned(R, F_):
+    # The blocks are a CPU cache optimisation: on a GPU each block would be ~9 kernel launches (R / rows
+    # blocks: thousands at real widths), so every other device runs the whole-tensor functions.
+    # is_compiling first: _row_aligned asks torch.get_num_threads(), which dynamo cannot trace.
+    if (torch.compiler.is_compiling() or h_RW.device.type != "cpu" or not CPU_BLOCKS
+            or R <= rows or not _row_aligned(R, F_)):
         a_RF, s_RF = swiglu_forward(h_RW, w_R)
         dh_RW, dw_R = swiglu_backward(da_RF, h_RW, s_RF, w_R, want_grad_w, w_dtype)
         return a_RF, dh_RW, dw_R

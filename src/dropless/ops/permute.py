@@ -76,12 +76,17 @@ def _invert(order_P: torch.Tensor) -> torch.Tensor:
     return inv
 
 
+def edges_of_sorted(sorted_N: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """[num_bins + 1] int64: how many of the ascending keys are below each of 0 .. num_bins, so bin b
+    holds keys [edges[b], edges[b+1]) and edges[1:] are the bins' ends. A binary search for every bin
+    edge: no host sync on any device (CUDA's bincount reads the keys' min and max back to the host to
+    size its output, which the dropless path must never do)."""
+    return torch.searchsorted(sorted_N, torch.arange(num_bins + 1, device=sorted_N.device, dtype=sorted_N.dtype))
+
+
 def counts_of_sorted(sorted_N: torch.Tensor, num_bins: int) -> torch.Tensor:
-    """How many of the ascending keys equal each of 0 .. num_bins-1 (larger keys are not counted),
-    int64: a binary search for every bin edge. No host sync on any device: CUDA's bincount reads the
-    keys' min and max back to the host to size its output, which the dropless path must never do."""
-    edges = torch.searchsorted(sorted_N, torch.arange(num_bins + 1, device=sorted_N.device, dtype=sorted_N.dtype))
-    return (edges[1:] - edges[:-1]).long()
+    """How many of the ascending keys equal each of 0 .. num_bins-1 (larger keys are not counted), int64."""
+    return torch.diff(edges_of_sorted(sorted_N, num_bins))
 
 
 def bin_counts(keys_N: torch.Tensor, num_bins: int) -> torch.Tensor:
@@ -118,10 +123,10 @@ def make_plan(ids_TK: torch.Tensor, num_experts: int, align: int = 1,
     ids_P = ids_TK.reshape(-1)
     # Stable: within an expert, pairs stay in token order (determinism and position-based dropping).
     sorted_P, order_P = torch.sort(ids_P, stable=True)
-    counts_E = counts_of_sorted(sorted_P, E)
-    if align == 1:
-        offsets_E = torch.cumsum(counts_E, 0).to(torch.int32)
-        return RoutingPlan(T, K, E, P, counts_E, offsets_E, _invert(order_P), order_P)
+    edges_E1 = edges_of_sorted(sorted_P, E)
+    counts_E = torch.diff(edges_E1)
+    if align == 1:  # the group ends are the bin edges: every id is < E
+        return RoutingPlan(T, K, E, P, counts_E, edges_E1[1:].to(torch.int32), _invert(order_P), order_P)
     _, rows_sorted, ends_E = _aligned_rows(ids_P, order_P, counts_E, align)
     R = P + E * (align - 1)  # static bound on sum(padded_E)
     row_of_P = torch.empty_like(order_P)

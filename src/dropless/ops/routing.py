@@ -283,17 +283,18 @@ def forced_balance_ids(num_tokens: int, num_experts: int, top_k: int, device: to
     return (perm_T[:, None] * top_k + slots_K + r_1) % num_experts
 
 
-def switch_aux_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, top_k: int) -> torch.Tensor:
+def switch_aux_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, top_k: int,
+                    probs_mean_E: torch.Tensor | None = None) -> torch.Tensor:
     """Switch-style load-balancing loss, without its coefficient: E * sum_e f_e * P_e.
 
     f_e = fraction of the T*K routed pairs that went to e (no gradient: it comes from a discrete
     choice); P_e = mean router probability of e (carries the gradient). Reads 1.0 at perfect balance.
     Note it also reads its minimum when P is flat at 1/E whatever the real loads: judge balance by
-    MaxVio from real counts, never by this loss.
+    MaxVio from real counts, never by this loss. `probs_mean_E`: P when the caller has it already.
     """
     T, E = probs_TE.shape
     f_E = counts_E.to(probs_TE.dtype) / max(T * top_k, 1)
-    P_E = probs_TE.mean(0)
+    P_E = probs_TE.mean(0) if probs_mean_E is None else probs_mean_E
     return E * (f_E * P_E).sum()
 
 
