@@ -12,7 +12,7 @@ import torch
 from dropless.config import MoEConfig, RouterConfig
 from dropless.layers.moe import MoELayer
 from dropless.monitor import stats
-from dropless.monitor.alarms import HealthMonitor
+from dropless.monitor.alarms import AlarmThresholds, HealthMonitor, load_excess
 from host_sync import forbid_host_sync
 from tolerances import assert_close
 
@@ -249,3 +249,56 @@ def test_balance_alarms_wait_for_warmup_but_drops_do_not() -> None:
     assert kinds == {"dropped"}  # a collapse at step 9 of warm-up is a transient; a drop never is
     kinds = {a.kind for a in early.check({"step": 60, "layers": [row]})}
     assert "collapse" in kinds
+
+
+DEFAULT_RUN = Path(__file__).parent / "data" / "default_run_routing.jsonl"
+
+
+def _default_run_rows() -> list[dict]:
+    # routing.jsonl of `dropless train` on the tiny preset (600 steps, seed 0, 2-core CPU, fp32), cut to
+    # the fields the balance rules read; its learning-rate warm-up is 50 steps
+    return [json.loads(line) for line in DEFAULT_RUN.read_text().splitlines()]
+
+
+def test_the_default_run_raises_no_false_alarm() -> None:
+    rows = _default_run_rows()
+    after = [(r["step"], layer) for r in rows for layer in r["layers"] if r["step"] >= 50]
+    # what the rules used to read: the worst single step crossed the collapse threshold after the
+    # warm-up, and the aux loss sat within 0.05 of 1 while the worst step's MaxVio was above 1
+    assert any(layer["maxvio_global"] > 2.0 for _, layer in after)
+    assert any(abs(layer["aux_loss"] - 1) < 0.05 and layer["maxvio_global"] > 1.0 for _, layer in after)
+    monitor = HealthMonitor(None, AlarmThresholds(warmup_steps=50), echo=False)
+    assert [a for r in rows for a in monitor.check(r)] == []
+
+
+def test_a_flat_router_on_the_default_runs_loads_is_caught() -> None:
+    # the same loads with the aux loss a flat router reads (E * sum f / E = 1): aux_blind, where the
+    # interval's mean MaxVio is above 1
+    rows = _default_run_rows()
+    for r in rows:
+        for layer in r["layers"]:
+            layer["aux_loss"] = 1.0 + 1e-4
+    monitor = HealthMonitor(None, AlarmThresholds(warmup_steps=50), echo=False)
+    fired = [(a.kind, a.step) for r in rows for a in monitor.check(r)]
+    assert fired and {k for k, _ in fired} == {"aux_blind"}
+    assert all(s >= 50 for _, s in fired)
+
+
+def test_load_excess_is_what_the_aux_loss_reads_when_probabilities_follow_the_loads() -> None:
+    counts = [7, 1, 0, 4, 4]
+    f = torch.tensor(counts, dtype=torch.float64) / sum(counts)
+    assert load_excess(counts) == pytest.approx(float(len(counts) * (f * f).sum() - 1))
+    assert load_excess([3, 3, 3]) == pytest.approx(0.0) and load_excess([0, 0]) == 0.0
+
+
+@pytest.mark.parametrize("follows, fires", [(0.5, False), (0.05, True)])
+def test_aux_blind_reads_the_aux_loss_against_the_loads_own_excess(follows: float, fires: bool) -> None:
+    # 16 experts, one at 2.1x its share (MaxVio 1.1): a router whose probabilities follow half of the
+    # loads' skew reads aux = 1.04, within the old fixed 0.05 of 1, and is healthy; one that follows
+    # 5% of it is flat
+    counts = [2100] + [993] * 15
+    excess = load_excess(counts)
+    row = {"counts": counts, "maxvio_global": 1.3, "maxvio_global_mean": 1.1, "top_k": 2,
+           "aux_loss": 1.0 + follows * excess}
+    kinds = [a.kind for a in HealthMonitor(None, echo=False).check({"step": 0, "layers": [row]})]
+    assert kinds == (["aux_blind"] if fires else [])
