@@ -20,6 +20,7 @@ from dropless.bench import lora as bl  # noqa: E402
 from dropless.bench import lora_peft  # noqa: E402
 
 
+@pytest.mark.slow
 def test_quick_mode_runs_both_sides_and_they_agree(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "bench.json"
     assert bl.main(["--quick", "--warmup", "2", "--steps", "2", "--json", str(out)]) == 0

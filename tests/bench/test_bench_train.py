@@ -44,6 +44,7 @@ def test_dropless_and_transformers_compute_the_same_loss(n_layers: int) -> None:
         assert_close(out.loss, hf_loss.detach(), BENCH_TRAIN_LOSS, "total loss")
 
 
+@pytest.mark.slow
 def test_every_row_runs_a_training_step() -> None:
     """Each row's timing, and its profile split: MoE and attention time found in both eager rows; the
     compiled row compiled (aot_eager here: the same graphs, eager kernels, seconds; bf16 autocast,

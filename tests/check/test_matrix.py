@@ -55,6 +55,7 @@ def test_every_allowed_pair_is_covered_by_an_accepted_row(matrix: covering.Matri
         assert covering.refusal_names_both(message, *matrix.pair_values(pair)), message
 
 
+@pytest.mark.slow
 def test_generator_is_deterministic(matrix: covering.Matrix) -> None:
     assert covering.generate().rows == matrix.rows
 

@@ -14,6 +14,7 @@ import json
 import time
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 
 from dist_harness import run_world
@@ -64,6 +65,7 @@ def _read(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
+@pytest.mark.slow
 def test_a2a_alarm_fires_on_a_slow_rank_only(tmp_path: Path) -> None:
     run_world(_worker, 2, tmp_path, tmp_path)
     for name in ("quiet", "slow"):  # every row of an EP run carries the interval's all-to-all time

@@ -297,7 +297,7 @@ def _worker(rank: int, world: int) -> None:
             EPDispatcher(6, None)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_ep_matches_single_process(world: int, tmp_path: Path) -> None:
     run_world(_worker, world, tmp_path)
 

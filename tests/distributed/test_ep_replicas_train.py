@@ -153,6 +153,7 @@ def _worker(rank: int, world: int, root: Path) -> None:
     _trainer_case(rank, world, root)
 
 
+@pytest.mark.slow
 def test_replicas_in_training(tmp_path: Path) -> None:
     run_world(_worker, 2, tmp_path, tmp_path)
 

@@ -42,7 +42,7 @@ def _rank(rank: int, world: int, hf_dir: str, ep: int, out: str) -> None:
     dist.barrier()
 
 
-@pytest.mark.parametrize("family,world,ep", [("qwen3_moe", 4, 2), ("deepseek_v3", 4, 4),
+@pytest.mark.parametrize("family,world,ep", [("qwen3_moe", 4, 2), pytest.param("deepseek_v3", 4, 4, marks=pytest.mark.slow),
                                              pytest.param("qwen3_moe", 2, 2, marks=pytest.mark.slow)])
 def test_sharded_import_is_the_whole_import(tmp_path: Path, family: str, world: int, ep: int) -> None:
     hf_dir = tmp_path / "hf"
@@ -70,6 +70,7 @@ def test_sharded_import_is_the_whole_import(tmp_path: Path, family: str, world: 
         assert_close(r["logits"], expected, REFERENCE[torch.float32], f"{family} at world {world}, ep {ep}")
 
 
+@pytest.mark.slow
 def test_import_hf_at_world_2_is_the_one_process_import(tmp_path: Path) -> None:
     """`dropless import-hf --nproc 2 --set parallel.ep_size=2`: every rank reads its shards and the
     step-0 checkpoint is written collectively; it loads as the one-process import does."""

@@ -73,6 +73,7 @@ def _world(rank: int, world: int, root: Path) -> None:
         skip.overflow.check(0)
 
 
+@pytest.mark.slow
 def test_muon_ep_fsdp_follows_one_process_and_resumes(tmp_path: Path) -> None:
     one = tmp_path / "one"
     Trainer(tiny("train.grad_accum=2"), one).fit()

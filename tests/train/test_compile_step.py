@@ -53,7 +53,7 @@ def _graphs_per_step(trainer: Trainer) -> list[int]:
     return seen
 
 
-@pytest.mark.parametrize("dtype,optimizer", [("fp32", "muon"), ("bf16", "adamw")])
+@pytest.mark.parametrize("dtype,optimizer", [("fp32", "muon"), pytest.param("bf16", "adamw", marks=pytest.mark.slow)])
 def test_200_steps_build_their_graphs_once(tmp_path: Path, dtype: str, optimizer: str) -> None:
     """200 steps of changing routing (new batches, moving weights, the expert counts of every layer
     different each step), log steps and evaluations among them: every graph is built in the first
@@ -89,6 +89,7 @@ def test_an_injected_graph_break_is_caught(tmp_path: Path, monkeypatch: pytest.M
         _graphs_per_step(_trainer(tmp_path, "train.steps=3"))
 
 
+@pytest.mark.slow
 def test_a_recompile_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """... and on a recompile: a Python value the model's graph reads that changes every step (a
     string: dynamo guards on its value) builds a new graph each step."""
@@ -113,7 +114,7 @@ def test_a_recompile_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert seen[-1] > seen[WARM_UP - 1]
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
 def test_compiled_step_follows_eager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str) -> None:
     monkeypatch.setitem(compiling.BACKENDS, "inductor", "aot_eager")
     extra = (f"train.dtype={dtype}", "train.optimizer=muon", "train.steps=5", "train.eval_every=5")
