@@ -17,7 +17,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "dropless"
 LEVELS: list[dict[str, set[str]]] = [
     {"ops": {"ops"}, "base": {"atomic", "cpu_alloc", "saved_bytes"}},
     {"config": {"config", "configtree", "moe_config", "attn_config", "parallel_config", "model_knobs",
-                "expert_slots", "fixed_fields", "lora_config"},
+                "expert_slots", "fixed_fields", "lora_config", "train_config"},
      "device": {"device"}},
     {"layers": {"layers"}},
     {"model": {"model", "model_lora"}},
