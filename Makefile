@@ -22,7 +22,7 @@ train: $(STAMP)
 	$(BIN)/dropless train $(ARGS)
 
 # `make test` leaves out the tests marked slow (long training runs, 4-rank worlds, the inductor
-# builds): about 9 minutes on 2 cores. CI runs `make test-slow` after it, so it runs every test.
+# builds): about 8 minutes on 2 cores. CI runs `make test-slow` after it, so it runs every test.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
