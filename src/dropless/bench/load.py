@@ -46,6 +46,7 @@ import torch.multiprocessing as mp
 
 from .. import atomic
 from ..config import RunConfig, load_config
+from ..distributed.worker_exit import end_worker
 from ..cpu_alloc import keep_freed_memory
 from ..runs.presets import DEFAULT_PRESET, preset_path
 from . import load_memory as mem
@@ -133,9 +134,11 @@ def _worker(rank: int, world: int, hf_dir: str, overrides: list[str], store: str
               f"{mem.gib(row['peak_minus_baseline'])}, final model {mem.gib(row['final_model_bytes'])}",
               file=sys.stderr, flush=True)
         Path(outdir, f"rank{rank}.json").write_text(json.dumps(row))
-    finally:
+    except BaseException:
         if world > 1:
             dist.destroy_process_group()
+        raise
+    end_worker()  # worker_exit.py: the trainer's meshes outlive destroy_process_group()
 
 
 def run(hf_dir: str, world: int, overrides: list[str]) -> list[dict[str, Any]]:

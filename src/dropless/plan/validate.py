@@ -66,6 +66,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import atomic
 from ..config import RunConfig, load_config
+from ..distributed.worker_exit import end_worker
 from ..saved_bytes import AliveStorages
 from .model import plan
 
@@ -200,8 +201,10 @@ def _worker(rank: int, world: int, store: str, cfg: RunConfig, steps: int, outdi
     try:
         m = measure(cfg, steps, distributed=True)
         Path(outdir, f"rank{rank}.json").write_text(json.dumps(m))
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    end_worker()  # worker_exit.py: the trainer's meshes outlive destroy_process_group()
 
 
 def measured_max(cfg: RunConfig, world: int, steps: int) -> dict[str, int]:

@@ -1,14 +1,22 @@
 """`python -m dropless.train ...` is `dropless train ...` (and the module torchrun starts).
 
-`record` makes a worker's uncaught exception reach torchrun's failure summary with its traceback."""
+`record` makes a worker's uncaught exception reach torchrun's failure summary with its traceback. A
+torchrun worker that finished ends through `end_worker` (distributed/worker_exit.py): the trainer's
+meshes outlive `destroy_process_group()`, and tearing their threads down during interpreter
+finalization can abort a rank whose run is complete."""
 
+import os
 import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ..cpu_alloc import keep_freed_memory
+from ..distributed.worker_exit import end_worker
 from .run import main
 
 keep_freed_memory()
 
-sys.exit(record(main)())
+code = record(main)()
+if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # a torchrun worker (mesh.init_distributed's test)
+    end_worker(code)
+sys.exit(code)
