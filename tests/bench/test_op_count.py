@@ -17,7 +17,7 @@ def test_counts_top_level_ops_only_and_sets_views_apart() -> None:
     w = torch.randn(8, 4, requires_grad=True)
     x = torch.randn(3, 8, requires_grad=True)
     # matmul calls mm inside (not counted again); a to() to the tensor's own dtype is a no-op view
-    c = op_count.count_ops(lambda t: (t.to(torch.float32) @ w).relu(), x, [w])
+    c = op_count.count_ops(bench._fwd_bwd(lambda t: (t.to(torch.float32) @ w).relu(), x, [w], op_count.MARKS))
     assert c.forward == {"aten::to(no-op)": 1, "aten::matmul": 1, "aten::relu": 1}
     assert c.phase("forward") == 3 and c.phase("forward", non_view=True) == 2
     assert c.backward["aten::threshold_backward"] == 1 and "aten::mm" in c.backward
@@ -26,7 +26,9 @@ def test_counts_top_level_ops_only_and_sets_views_apart() -> None:
 
 def _layer_count(tokens: int, gpu_path: bool) -> op_count.OpCount:
     forwards, _ = bench.build_forwards("tiny", "balanced", torch.float32, only={"dropless"}, tokens=tokens)
-    _, counts = op_count.count_variants(forwards, gpu_path=gpu_path)
+    f = forwards["dropless"]
+    _, counts = op_count.count_variants({"dropless": bench._fwd_bwd(f.fn, f.x, f.params, op_count.MARKS)},
+                                        gpu_path=gpu_path)
     return counts["dropless"]
 
 

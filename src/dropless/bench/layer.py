@@ -40,11 +40,13 @@ threads, every region waits for it, so with 2 threads on a busy 2-core machine t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from typing import Callable, Collection, NamedTuple
 
 import torch
+from torch.profiler import record_function
 
 from .. import atomic
 from ..config import MoEConfig
@@ -94,13 +96,21 @@ def _params(*modules: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 # The closures return what they computed (the output; the input gradient), which timing ignores, so
 # that tests/test_bench_layer.py can check that the variants compute the same function.
+# `marks`: profiler labels for the forward and the backward (op_count.py counts the ops under each).
 def _fwd_bwd(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
-             params: list[torch.nn.Parameter]) -> Callable[[], torch.Tensor | None]:
+             params: list[torch.nn.Parameter],
+             marks: tuple[str, str] | None = None) -> Callable[[], torch.Tensor | None]:
+    def phase(i: int) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if marks is None else record_function(marks[i])
+
     def run() -> torch.Tensor | None:
         x.grad = None
         for p in params:
             p.grad = None
-        forward(x).float().square().mean().backward()
+        with phase(0):
+            y = forward(x)
+        with phase(1):
+            y.float().square().mean().backward()
         return x.grad
 
     return run
@@ -317,9 +327,10 @@ def _count_ops(args: argparse.Namespace, skip: tuple[str, ...], device: torch.de
     """`--count-ops`: the ATen ops of one forward + backward per variant (bench/op_count.py)."""
     from . import op_count
 
-    forwards, meta = build_forwards(args.shape, args.routing, DTYPES[args.dtype], device=device,
-                                    only={v for v in VARIANTS if v not in skip}, tokens=args.tokens)
-    rows, counts = op_count.count_variants(forwards)
+    forwards, _ = build_forwards(args.shape, args.routing, DTYPES[args.dtype], device=device,
+                                 only={v for v in VARIANTS if v not in skip}, tokens=args.tokens)
+    rows, counts = op_count.count_variants(
+        {name: _fwd_bwd(f.fn, f.x, f.params, op_count.MARKS) for name, f in forwards.items()})
     T, D, E, K, Fw = dims(args.shape, args.tokens)
     print(f"op count: {args.shape} (T={T} d={D} E={E} k={K} f={Fw}), routing={args.routing}, "
           f"dtype={args.dtype}, device={device.type}: top-level ATen ops of one forward and one backward "

@@ -4,9 +4,10 @@ Each op the dispatcher runs costs host time on the CPU and, on a GPU, one or mor
 at small widths that cost, not the GEMMs, sets the step time. So the count is a proxy for launch
 overhead that a CPU can measure. What is counted: the *top-level* ATen ops of one forward and one
 backward (ops that no other ATen op called: an `aten::linear` counts once, not again for the
-`aten::addmm` inside it), read from the torch profiler, after one warm-up call. The forward is
-`variant(x)`; the backward is the loss (`y.float().square().mean()`, the same for every variant) and
-`backward()`, so its few ops are in every variant's count alike.
+`aten::addmm` inside it), read from the torch profiler, after one warm-up call. The call is
+bench/layer.py's `_fwd_bwd` with `MARKS`: the forward is `variant(x)`; the backward is the loss
+(`y.float().square().mean()`, the same for every variant) and `backward()`, so its few ops are in
+every variant's count alike.
 
 `non_view` leaves out the ops that only make a new view of storage or return their input (reshape,
 transpose, slice, a `to` to the dtype the tensor has, ...): they launch nothing on a GPU. A CPU op
@@ -19,10 +20,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import Callable, NamedTuple
 
-import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, profile
 
 from ..ops import lean_experts
+from .timing import format_table
 
 # ops that make a view, return their input or only allocate: no kernel on a GPU
 VIEW_OPS = frozenset({
@@ -36,6 +37,7 @@ VIEW_OPS = frozenset({
     "aten::to(no-op)",  # a `to` to the dtype and device the tensor has (see _name)
 })
 FWD, BWD = "op_count_forward", "op_count_backward"
+MARKS = (FWD, BWD)  # the profiler labels the counted call puts around its two phases
 
 
 class OpCount(NamedTuple):
@@ -43,16 +45,11 @@ class OpCount(NamedTuple):
     backward: Counter
 
     def total(self, non_view: bool = False) -> int:
-        return sum(n for name, n in (self.forward + self.backward).items()
-                   if not (non_view and is_view(name)))
+        return self.phase("forward", non_view) + self.phase("backward", non_view)
 
     def phase(self, which: str, non_view: bool = False) -> int:
         ops = self.forward if which == "forward" else self.backward
-        return sum(n for name, n in ops.items() if not (non_view and is_view(name)))
-
-
-def is_view(name: str) -> bool:
-    return name in VIEW_OPS
+        return sum(n for name, n in ops.items() if not (non_view and name in VIEW_OPS))
 
 
 def _phase(event) -> str | None:
@@ -67,19 +64,8 @@ def _phase(event) -> str | None:
     return None
 
 
-def count_ops(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
-              params: list[torch.nn.Parameter]) -> OpCount:
-    """Top-level ATen ops of one forward and one backward of `forward(x)` (module docstring)."""
-
-    def call() -> None:
-        x.grad = None
-        for p in params:
-            p.grad = None
-        with record_function(FWD):
-            y = forward(x)
-        with record_function(BWD):
-            y.float().square().mean().backward()
-
+def count_ops(call: Callable[[], object]) -> OpCount:
+    """Top-level ATen ops of `call()`, a forward and a backward labelled with `MARKS` (module note)."""
     call()  # first-call work (lazy init, caches) is not the steady state
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         call()
@@ -105,14 +91,15 @@ def _name(event) -> str:
 COLUMNS = ["variant", "fwd_ops", "bwd_ops", "ops", "non_view_ops"]
 
 
-def count_variants(forwards: dict, gpu_path: bool = True) -> tuple[list[dict], dict[str, OpCount]]:
-    """One row per variant (bench/layer.py's `Forward`s). `gpu_path`: count the ops a GPU runs, i.e.
-    without the CPU's blocked SwiGLU recompute (ops/lean_experts.py: R / 64 blocks of ~9 ops each at
-    F=512, a CPU cache optimisation with the same bits)."""
+def count_variants(calls: dict[str, Callable[[], object]],
+                   gpu_path: bool = True) -> tuple[list[dict], dict[str, OpCount]]:
+    """One row per variant's labelled forward + backward call. `gpu_path`: count the ops a GPU runs,
+    i.e. without the CPU's blocked SwiGLU recompute (ops/lean_experts.py: R / 64 blocks of ~9 ops
+    each at F=512, a CPU cache optimisation with the same bits)."""
     saved = lean_experts.CPU_BLOCKS
     lean_experts.CPU_BLOCKS = not gpu_path
     try:
-        counts = {name: count_ops(f.fn, f.x, f.params) for name, f in forwards.items()}
+        counts = {name: count_ops(call) for name, call in calls.items()}
     finally:
         lean_experts.CPU_BLOCKS = saved
     rows = [{"variant": name, "fwd_ops": c.phase("forward"), "bwd_ops": c.phase("backward"),
@@ -121,6 +108,4 @@ def count_variants(forwards: dict, gpu_path: bool = True) -> tuple[list[dict], d
 
 
 def format_rows(rows: list[dict]) -> str:
-    from .timing import format_table
-
     return format_table(rows, COLUMNS)
