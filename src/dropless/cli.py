@@ -13,7 +13,7 @@ from . import cpu_alloc
 
 COMMANDS = {
     "train": ("dropless.train.run", "train a model (see --help)"),
-    "generate": ("dropless.serve.generate", "sample text from a trained run"),
+    "generate": ("dropless.serve.generate_cli", "sample text from a trained run"),
     "diagnose": ("dropless.monitor.report", "routing-health report for a run directory"),
     "record-routing": ("dropless.serve.record_routing", "record the full forward's routing of given tokens"),
     "routing-mismatch": ("dropless.serve.mismatch", "compare two routing records of the same tokens"),

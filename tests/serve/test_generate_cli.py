@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from dropless.bench.generate import main as bench_main
-from dropless.serve.generate import generate, main
+from dropless.serve.generate import generate
+from dropless.serve.generate_cli import main
 from dropless.runs.load import load_model
 from dropless.train.loop import Trainer
 from tiny_run import tiny

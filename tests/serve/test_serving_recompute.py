@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dropless.serve import evaluate_cli
-from dropless.serve.generate import main as generate_main
+from dropless.serve.generate_cli import main as generate_main
 from dropless.runs.load import load_model
 from dropless.data.routing_record import RoutingRecord
 from dropless.serve.serving import serving_map

@@ -61,7 +61,7 @@ class Call:
 # The commands the stages call, as cli.py's table maps them (this package sits below cli, so it
 # keeps its own copy; tests/check/test_matrix.py checks the two agree).
 MODULES = {
-    "train": "dropless.train.run", "generate": "dropless.serve.generate", "evaluate": "dropless.serve.evaluate_cli",
+    "train": "dropless.train.run", "generate": "dropless.serve.generate_cli", "evaluate": "dropless.serve.evaluate_cli",
     "diagnose": "dropless.monitor.report", "record-routing": "dropless.serve.record_routing",
     "routing-mismatch": "dropless.serve.mismatch", "quantize": "dropless.serve.quantize",
     "plan": "dropless.plan.cli", "export-hf": "dropless.hf.export_hf", "import-hf": "dropless.hf.import_cli",
