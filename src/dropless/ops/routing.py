@@ -49,6 +49,12 @@ import torch.nn.functional as F
 
 from .permute import bin_counts
 
+# Renormalising weights divides by their sum + _EPS, not by sum.clamp_min(_EPS): the same bits for
+# any sum of at least 2^-42 = 2.3e-13 (1e-20 is below half an fp32 ulp there), and the backward of
+# an add is free where clamp_min's is three ops (ge, where, a scalar) per layer call. Either keeps an
+# all-zero row finite.
+_EPS = 1e-20
+
 
 def router_logits_reference(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
     """fp32 logits x_TD @ w_ED^T, autograd keeping the fp32 copy of x."""
@@ -156,7 +162,7 @@ def _combine_weights(logits_TE: torch.Tensor, scores_TE: torch.Tensor, ids_TK: t
     else:
         weights_TK = scores_TE.gather(1, ids_TK)
         if renormalize and (ids_TK.shape[1] > 1 or always):
-            weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True).clamp_min(1e-20)
+            weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + _EPS)
     if scaling_factor != 1.0:
         weights_TK = weights_TK * scaling_factor
     return weights_TK
@@ -186,7 +192,7 @@ def router_probs(scores_TE: torch.Tensor, score_func: str) -> torch.Tensor:
     """Scores normalised to a distribution over experts (what the aux loss calls P)."""
     if score_func == "softmax":
         return scores_TE
-    return scores_TE / scores_TE.sum(-1, keepdim=True).clamp_min(1e-20)
+    return scores_TE / (scores_TE.sum(-1, keepdim=True) + _EPS)
 
 
 def expert_counts(ids_TK: torch.Tensor, num_experts: int, valid_TK: torch.Tensor | None = None) -> torch.Tensor:
@@ -251,7 +257,7 @@ def threshold_route(scores_TE: torch.Tensor, threshold_E: torch.Tensor, ready: t
     valid_TM = torch.where(ready, (key_TM > 0) | (slot_M == 0), slot_M < top_k)
     weights_TM = scores_TE.gather(1, ids_TM) * valid_TM
     if renormalize:
-        weights_TM = weights_TM / weights_TM.sum(-1, keepdim=True).clamp_min(1e-20)
+        weights_TM = weights_TM / (weights_TM.sum(-1, keepdim=True) + _EPS)
     return ids_TM, weights_TM * scaling_factor, valid_TM
 
 
