@@ -56,12 +56,22 @@ class Meshes:
         return self.dp.get_group()
 
 
+def check_ep_in_node(ep_size: int, world: int, per_node: int) -> None:
+    """An ep group is ep_size consecutive ranks, and torchrun numbers ranks node by node (rank =
+    node * per_node + local rank), so the group stays inside one node when ep_size divides the node's
+    process count. One spanning two nodes would send every all-to-all over the network: refused."""
+    if world > per_node and ep_size > 1 and per_node % ep_size:
+        raise ValueError(f"parallel.ep_size={ep_size} does not divide the {per_node} processes per node: "
+                         "an expert-parallel group would span two nodes")
+
+
 def build_meshes(ep_size: int, device_type: str) -> Meshes:
     """The (edp, ep) mesh over the default group, on the trainer's device type ("cuda" or "cpu");
     ep_size must divide the world size."""
     world = dist.get_world_size()
     if world % ep_size:
         raise ValueError(f"parallel.ep_size={ep_size} does not divide the world size {world}")
+    check_ep_in_node(ep_size, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     dev = device_type
     mesh = init_device_mesh(dev, (world // ep_size, ep_size), mesh_dim_names=("edp", "ep"))
     dp = init_device_mesh(dev, (world,), mesh_dim_names=("dp",))

@@ -2,6 +2,7 @@
 
     dropless train [--config NAME|FILE] [--set a.b=value ...] [--run-dir DIR] [--resume] [--nproc N]
                    [--replay-routing RECORD] [--init-from hf:DIR]
+                   [--nnodes M --node-rank I --master-addr HOST [--master-port PORT]]
 
 With `train.lora.rank` set, `--init-from hf:DIR` becomes `train.lora.base_from` (the frozen base the
 adapters train on, reloaded at every start and checked by its digest: runs/lora_base.py).
@@ -22,6 +23,11 @@ the directory and tells the others). torchrun's agent watches the workers: when 
 others and exits non-zero with the failing rank's error, and `--resume` continues from the last
 complete checkpoint (a save interrupted by the failure is never published).
 
+Several machines: the same command on each of M machines, with `--nnodes M --node-rank I --nproc P
+--master-addr HOST --run-dir DIR` (HOST: node 0's address; DIR: the same path on every node, on
+storage they share). Underneath, torchrun's elastic c10d rendezvous at HOST:PORT, hosted by node 0
+(`_rendezvous`); every node's launcher checks the config before starting its P processes.
+
 `--config` takes a preset name (`tiny`, `dense`, ... from dropless/presets/) or a TOML file. Without
 `--run-dir` a new folder `runs/<preset>-<time>` is made; `--resume` without `--run-dir` continues the
 newest `runs/<preset>-*` that has a complete checkpoint.
@@ -38,6 +44,7 @@ refusing it would block the one-word `--config dense --resume`; a field to chang
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -47,6 +54,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from ..config import RunConfig, apply_overrides, from_dict, load_config, to_dict
+from ..distributed.mesh import check_ep_in_node, init_distributed
 from ..runs.presets import DEFAULT_PRESET, preset_path
 from ..runs import checkpoint as ckpt
 from ..runs import resume
@@ -73,15 +81,50 @@ def parser() -> argparse.ArgumentParser:
                    help="start from a Hugging Face checkpoint (its model, weights and tokenizer; "
                         "the preset's train/data/log sections; then --set)")
     p.add_argument("--nproc", type=int, default=0,
-                   help="processes to launch with torchrun (default: one process, no launcher)")
+                   help="processes to launch with torchrun (default: one process, no launcher); per "
+                        "node with --nnodes")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="machines in the run: run the same command on each, with its --node-rank")
+    p.add_argument("--node-rank", type=int, default=None, help="this machine's index, 0 .. nnodes-1 "
+                   "(node 0 hosts the rendezvous)")
+    p.add_argument("--master-addr", default=None, help="address of node 0, reachable from every node")
+    p.add_argument("--master-port", type=int, default=None, help="rendezvous port on node 0 (default 29500)")
     return p
+
+
+NODE_FLAGS = ("--nnodes", "--node-rank", "--master-addr", "--master-port")
+
+
+def check_nodes(args: argparse.Namespace) -> None:
+    """The launcher's flags, before anything starts (ValueError naming the flag and value)."""
+    if args.nproc < 0:
+        raise ValueError(f"--nproc {args.nproc}: must be >= 1")
+    if args.nnodes < 1:
+        raise ValueError(f"--nnodes {args.nnodes}: must be >= 1")
+    if args.nnodes == 1:
+        for flag, value in (("--node-rank", args.node_rank), ("--master-addr", args.master_addr),
+                            ("--master-port", args.master_port)):
+            if value is not None:
+                raise ValueError(f"{flag} {value}: only with --nnodes > 1 (one machine needs no rendezvous)")
+        return
+    if args.nproc < 1:
+        raise ValueError(f"--nnodes {args.nnodes} needs --nproc P, the processes on each node")
+    if args.node_rank is None or not 0 <= args.node_rank < args.nnodes:
+        raise ValueError(f"--node-rank {args.node_rank}: give this node's index, 0 .. {args.nnodes - 1}")
+    if not args.master_addr:
+        raise ValueError(f"--nnodes {args.nnodes} needs --master-addr, the address of node 0")
+    if args.master_port is not None and not 0 < args.master_port < 65536:
+        raise ValueError(f"--master-port {args.master_port}: must be 1 .. 65535")
+    if args.run_dir is None:
+        raise ValueError(f"--nnodes {args.nnodes} needs --run-dir: the same path on every node, on storage "
+                         "they all share (checkpoints are written by every rank)")
 
 
 def launch(args: argparse.Namespace, argv: list[str], run_dir: Path) -> int:
     """Re-run this command under torchrun with N processes; returns torchrun's exit status."""
     # Drop --nproc (and its value) and any --run-dir: the chosen one is passed. On resume drop --config
     # too: the run's own config is used, and its note was printed here already.
-    dropped = ("--nproc", "--run-dir", "--config") if args.resume else ("--nproc", "--run-dir")
+    dropped = ("--nproc", "--run-dir", *NODE_FLAGS) + (("--config",) if args.resume else ())
     rest, skip = [], False
     for a in argv:
         if skip:
@@ -90,10 +133,24 @@ def launch(args: argparse.Namespace, argv: list[str], run_dir: Path) -> int:
             skip = True
         elif not a.startswith(tuple(d + "=" for d in dropped)):
             rest.append(a)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           "-m", "dropless.train", *rest, "--run-dir", str(run_dir)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *_rendezvous(args, run_dir),
+           f"--nproc-per-node={args.nproc}", "-m", "dropless.train", *rest, "--run-dir", str(run_dir)]
     print(f"launching: {' '.join(cmd)}", file=sys.stderr, flush=True)
     return subprocess.run(cmd, env=os.environ.copy()).returncode
+
+
+def _rendezvous(args: argparse.Namespace, run_dir: Path) -> list[str]:
+    """torchrun's rendezvous flags. One node: `--standalone` (a local store on a free port). Several:
+    torchrun's elastic c10d rendezvous at master-addr:port, which node 0 hosts (`is_host`, so that
+    two "nodes" on one machine do not both try to). The job id is the run directory's, the same on
+    every node. torchrun numbers ranks node by node, which keeps each ep group in one node
+    (distributed/mesh.py checks it)."""
+    if args.nnodes == 1:
+        return ["--standalone"]
+    job = "dropless-" + hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:12]
+    return [f"--nnodes={args.nnodes}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={args.master_addr}:{args.master_port or 29500}", f"--rdzv-id={job}",
+            f"--rdzv-conf=is_host={int(args.node_rank == 0)}"]
 
 
 def choose_run_dir(args: argparse.Namespace, preset: str) -> Path:
@@ -158,19 +215,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.replay_routing is not None:
         args.overrides.append(f"data.replay_routing={Path(args.replay_routing).resolve()}")
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if args.nproc < 0:
-        print(f"dropless train: error: --nproc {args.nproc}: must be >= 1", file=sys.stderr)
-        return 2
     try:
+        check_nodes(args)
         path = preset_path(args.config or DEFAULT_PRESET)
         if args.nproc and not under_torchrun:
             run_dir = choose_run_dir(args, path.stem)
             cfg = resolve_config(args, path, run_dir)  # a bad config fails here, before N processes start
-            if cfg.train.compile == "step" and args.nproc > 1:  # (the Trainer refuses it too, per rank)
+            world = args.nproc * args.nnodes
+            if cfg.train.compile == "step" and world > 1:  # (the Trainer refuses it too, per rank)
                 raise ValueError(f"train.compile='step' with --nproc {args.nproc}: the whole step compiles in one "
                                  "process; use train.compile=blocks under several processes")
+            if world % cfg.parallel.ep_size:
+                raise ValueError(f"parallel.ep_size={cfg.parallel.ep_size} does not divide the world size {world}")
+            check_ep_in_node(cfg.parallel.ep_size, world, args.nproc)
             return launch(args, argv, run_dir)
-        from ..distributed.mesh import init_distributed
         from ..device import resolve_device
 
         distributed = init_distributed(resolve_device(_device_setting(args, path))[0])
