@@ -40,7 +40,7 @@ def test_the_layer_sorts_once_and_the_gpu_backward_does_not_grow_with_rows(monke
     assert small.forward == large.forward and small.backward == large.backward
     # a budget that only goes down (transformers' block is 106 at the medium shape): renormalising the
     # top-k weights with clamp_min instead of + eps costs 3 more backward ops and fails here
-    assert small.total() <= 129, (small.forward, small.backward)
+    assert small.total() <= 121, (small.forward, small.backward)
     # the CPU's blocked recompute: a few ops per block of rows
     blocked = _layer_count(512, gpu_path=False)
     assert blocked.phase("backward") > large.phase("backward") + 100

@@ -51,6 +51,7 @@ class RoutingPlan:
     keep_P: torch.Tensor | None = None  # bool [P]: capacity mode only; False = dropped pair
     capacity: int | None = None  # rows per expert in capacity mode
     valid_P: torch.Tensor | None = None  # bool [P]: masked plans only; False = not a pair at all
+    bags_T: torch.Tensor | None = None  # int64 [T]: t*K, where token t's K pairs start (`_gather_sum`)
 
     @property
     def mask_P(self) -> torch.Tensor | None:
@@ -126,14 +127,16 @@ def make_plan(ids_TK: torch.Tensor, num_experts: int, align: int = 1,
     edges_E1 = edges_of_sorted(sorted_P, E)
     counts_E = torch.diff(edges_E1)
     if align == 1:  # the group ends are the bin edges: every id is < E
-        return RoutingPlan(T, K, E, P, counts_E, edges_E1[1:].to(torch.int32), _invert(order_P), order_P)
+        return RoutingPlan(T, K, E, P, counts_E, edges_E1[1:].to(torch.int32), _invert(order_P), order_P,
+                           bags_T=_bags(T, K, ids_P.device))
     _, rows_sorted, ends_E = _aligned_rows(ids_P, order_P, counts_E, align)
     R = P + E * (align - 1)  # static bound on sum(padded_E)
     row_of_P = torch.empty_like(order_P)
     row_of_P[order_P] = rows_sorted
     pair_of_R = torch.full((R,), P, dtype=torch.int64, device=ids_P.device)
     pair_of_R[rows_sorted] = order_P
-    return RoutingPlan(T, K, E, R, counts_E, ends_E.to(torch.int32), row_of_P, pair_of_R)
+    return RoutingPlan(T, K, E, R, counts_E, ends_E.to(torch.int32), row_of_P, pair_of_R,
+                       bags_T=_bags(T, K, ids_P.device))
 
 
 def _make_masked_plan(ids_TK: torch.Tensor, num_experts: int, align: int,
@@ -154,7 +157,7 @@ def _make_masked_plan(ids_TK: torch.Tensor, num_experts: int, align: int,
     row_of_P[order_P] = torch.where(valid_sorted, rows_sorted, 0)
     counts_E = counts_all[:E]
     return RoutingPlan(T, K, E, R, counts_E, ends_all[:E].to(torch.int32), row_of_P,
-                       pair_of_R[:R].clone(), valid_P=valid_P)
+                       pair_of_R[:R].clone(), valid_P=valid_P, bags_T=_bags(T, K, ids_P.device))
 
 
 def capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float, align: int = 1) -> int:
@@ -202,22 +205,37 @@ def make_capacity_plan(
     pair_of_R[torch.where(keep_sorted, rows_sorted, R)] = order_P
     pair_of_R = pair_of_R[:R].clone()
     offsets_E = (torch.arange(1, E + 1, device=ids_P.device) * C).to(torch.int32)
-    return RoutingPlan(T, K, E, R, counts_E, offsets_E, row_of_P, pair_of_R, keep_P, C)
+    return RoutingPlan(T, K, E, R, counts_E, offsets_E, row_of_P, pair_of_R, keep_P, C,
+                       bags_T=_bags(T, K, ids_P.device))
+
+
+def _bags(T: int, K: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(0, T * K, K, device=device)
 
 
 def _gather_sum(src_RD: torch.Tensor, row_of_P: torch.Tensor, top_k: int,
-                keep_P: torch.Tensor | None = None) -> torch.Tensor:
-    """out_TD[t] = sum_j keep[t, j] * src_RD[row_of_P[t*K + j]], as one fused gather-reduce."""
-    T = row_of_P.numel() // top_k
-    keep = None if keep_P is None else keep_P.view(T, top_k).to(src_RD.dtype)
-    return F.embedding_bag(row_of_P.view(T, top_k), src_RD, mode="sum", per_sample_weights=keep)
+                keep_P: torch.Tensor | None = None, bags_T: torch.Tensor | None = None) -> torch.Tensor:
+    """out_TD[t] = sum_j keep[t, j] * src_RD[row_of_P[t*K + j]], as one fused gather-reduce.
+
+    `bags_T`: the plan's bag starts, made once per plan for its three gather-sums (the forward's
+    combine and the two backward ones); without them `F.embedding_bag` makes them for a 2-D input on
+    every call. One slot per bag and no mask is a plain gather (the same values; a -0.0 stays -0.0,
+    where the bag sum would give +0.0)."""
+    if top_k == 1 and keep_P is None:
+        return src_RD.index_select(0, row_of_P)
+    keep = None if keep_P is None else keep_P.to(src_RD.dtype)
+    if bags_T is None:
+        T = row_of_P.numel() // top_k
+        keep = None if keep is None else keep.view(T, top_k)
+        return F.embedding_bag(row_of_P.view(T, top_k), src_RD, mode="sum", per_sample_weights=keep)
+    return F.embedding_bag(row_of_P, src_RD, bags_T, mode="sum", per_sample_weights=keep)
 
 
 class _Permute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD: torch.Tensor, src_R: torch.Tensor, row_of_P: torch.Tensor, top_k: int,
-                padded: bool, keep_P: torch.Tensor | None = None) -> torch.Tensor:
-        ctx.save_for_backward(row_of_P, keep_P)
+                padded: bool, keep_P: torch.Tensor | None = None, bags_T: torch.Tensor | None = None) -> torch.Tensor:
+        ctx.save_for_backward(row_of_P, keep_P, bags_T)
         ctx.top_k = top_k
         if padded:
             x_TD = torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])])
@@ -225,23 +243,23 @@ class _Permute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_RD: torch.Tensor):
-        row_of_P, keep_P = ctx.saved_tensors
+        row_of_P, keep_P, bags_T = ctx.saved_tensors
         # A dropped or invalid pair's row_of_P is row 0, another pair's gradient: the mask zeroes it.
-        grad_TD = _gather_sum(grad_RD, row_of_P, ctx.top_k, keep_P)
+        grad_TD = _gather_sum(grad_RD, row_of_P, ctx.top_k, keep_P, bags_T)
         if keep_P is not None:
             # When no pair of the batch owns a row (every pair on identity experts), row 0 is no
             # computed row: its gradient is whatever the grouped GEMM left there (uninitialised,
             # possibly NaN), and 0 * NaN is NaN. A token with no row takes an exact zero instead;
             # for every other token this select returns the sum unchanged.
             grad_TD = torch.where(keep_P.view(-1, ctx.top_k).any(-1, keepdim=True), grad_TD, 0)
-        return grad_TD, None, None, None, None, None
+        return grad_TD, None, None, None, None, None, None
 
 
 def permute(x_TD: torch.Tensor, plan: RoutingPlan, src_R: torch.Tensor | None = None) -> torch.Tensor:
     """Gather token rows into expert order: x_RD. Padding rows are zeros. `src_R`: `plan.src_R`
     when the caller already has it (one index tensor instead of a new one per call)."""
     src_R = plan.src_R if src_R is None else src_R
-    return _Permute.apply(x_TD, src_R, plan.row_of_P, plan.top_k, has_padding(plan), plan.mask_P)
+    return _Permute.apply(x_TD, src_R, plan.row_of_P, plan.top_k, has_padding(plan), plan.mask_P, plan.bags_T)
 
 
 class _Combine(torch.autograd.Function):
@@ -292,16 +310,17 @@ def unpermute(y_RD: torch.Tensor, plan: RoutingPlan, src_R: torch.Tensor | None 
     pair, so they are masked out). `src_R` as in `permute` (its backward keeps it: pass the one
     the experts keep too, and the two share a storage)."""
     src_R = plan.src_R if src_R is None else src_R
-    return _Unpermute.apply(y_RD, plan.row_of_P, src_R, plan.mask_P, plan.top_k, has_padding(plan))
+    return _Unpermute.apply(y_RD, plan.row_of_P, src_R, plan.mask_P, plan.top_k, has_padding(plan), plan.bags_T)
 
 
 class _Unpermute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y_RD: torch.Tensor, row_of_P: torch.Tensor, src_R: torch.Tensor,
-                keep_P: torch.Tensor | None, top_k: int, padded: bool) -> torch.Tensor:
+                keep_P: torch.Tensor | None, top_k: int, padded: bool,
+                bags_T: torch.Tensor | None = None) -> torch.Tensor:
         ctx.save_for_backward(src_R)
         ctx.padded = padded
-        return _gather_sum(y_RD, row_of_P, top_k, keep_P)
+        return _gather_sum(y_RD, row_of_P, top_k, keep_P, bags_T)
 
 
     @staticmethod
@@ -310,7 +329,7 @@ class _Unpermute(torch.autograd.Function):
         if ctx.padded:
             grad_TD = torch.cat([grad_TD, grad_TD.new_zeros(1, grad_TD.shape[1])])
         # Every row holds a kept pair (or padding, reading the zero row T): no mask needed here.
-        return grad_TD.index_select(0, src_R), None, None, None, None, None
+        return grad_TD.index_select(0, src_R), None, None, None, None, None, None
 
 
 def permute_weights(weights_TK: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
