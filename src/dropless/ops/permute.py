@@ -7,6 +7,7 @@ R rows of the expert-ordered buffer (P plus alignment padding, or E*C in capacit
     offsets_E   end row of each expert's group in the buffer (int32, cumulative, on the device)
     row_of_P    buffer row that holds pair p
     pair_of_R   pair held by row r; P marks a padding row (it reads a zero input row)
+    bags_T      t*K: where token t's K pairs start, the bag offsets of the gather-sums
     valid_TK    optional mask of real pairs (strategies with a variable number of experts per token):
                 invalid pairs get no row in any expert's group, weight 0 in combine, no gradient
 
