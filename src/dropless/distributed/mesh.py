@@ -14,6 +14,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
+def under_torchrun() -> bool:
+    """Whether this process is a torchrun worker (torchrun sets RANK and WORLD_SIZE)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def init_distributed(device: torch.device) -> bool:
     """Initialise the default process group from torchrun's environment (RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT) for the trainer's device (device.py decides it: cuda:LOCAL_RANK
@@ -21,7 +26,7 @@ def init_distributed(device: torch.device) -> bool:
     nothing) outside torchrun."""
     if dist.is_initialized():
         return True
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+    if not under_torchrun():
         return False
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -19,6 +19,7 @@ workers), never library code that a caller imports and continues after.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -33,8 +34,6 @@ def end_worker(code: int = 0) -> NoReturn:
         dist.destroy_process_group()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):  # closed or broken pipe: nothing left to save
             stream.flush()
-        except (OSError, ValueError):  # closed or broken pipe: nothing left to save
-            pass
     os._exit(code)

@@ -5,18 +5,18 @@ torchrun worker that finished ends through `end_worker` (distributed/worker_exit
 meshes outlive `destroy_process_group()`, and tearing their threads down during interpreter
 finalization can abort a rank whose run is complete."""
 
-import os
 import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ..cpu_alloc import keep_freed_memory
+from ..distributed.mesh import under_torchrun
 from ..distributed.worker_exit import end_worker
 from .run import main
 
 keep_freed_memory()
 
 code = record(main)()
-if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # a torchrun worker (mesh.init_distributed's test)
+if under_torchrun():
     end_worker(code)
 sys.exit(code)

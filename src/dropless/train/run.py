@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from ..config import RunConfig, apply_overrides, from_dict, load_config, to_dict
-from ..distributed.mesh import check_ep_in_node, init_distributed
+from ..distributed.mesh import check_ep_in_node, init_distributed, under_torchrun
 from ..runs.presets import DEFAULT_PRESET, preset_path
 from ..runs import checkpoint as ckpt
 from ..runs import resume
@@ -214,11 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.replay_routing is not None:
         args.overrides.append(f"data.replay_routing={Path(args.replay_routing).resolve()}")
-    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
         check_nodes(args)
         path = preset_path(args.config or DEFAULT_PRESET)
-        if args.nproc and not under_torchrun:
+        if args.nproc and not under_torchrun():
             run_dir = choose_run_dir(args, path.stem)
             cfg = resolve_config(args, path, run_dir)  # a bad config fails here, before N processes start
             world = args.nproc * args.nnodes
