@@ -178,6 +178,18 @@ EP_LOWP = EP_REDUCED
 PARALLEL_TRAIN_LOSS = 1e-6
 PARALLEL_TRAIN_GRAD_NORM = 1e-4
 
+# Pipeline stages against one process (tests/distributed/test_pipeline.py): every gradient element
+# and the loss-free bias after each of 3 AdamW steps (lr 1e-2, clipped), fp32, pp 2 with every schedule
+# and pp 2 x edp 2, pp 2 x ep 2. Same data, same micro-batches; what differs is where fp32 sums are
+# cut: the global norm is a sum of per-rank squares (clip_grad_norm_ takes a norm of per-tensor norms,
+# 2e-7 relative apart at step 0, so every clipped gradient moves by that), FSDP and EP re-associate as
+# in PARALLEL_TRAIN_*, and from step 1 AdamW's per-element normalisation carries each weight's few-ulp
+# difference into the next gradients. The fp32 REFERENCE bound; measured worst, as a fraction of it:
+# 0.002 at step 0, 0.025 at step 1, 0.22 at step 2 (pp 2 x ep 2; zbv 0.20). The bias is bit-identical
+# (the sign rule on identical integer counts). A stage's aux loss missing, or read against local
+# counts, moves router gradients by ~1e-4 absolute: 20x the floor.
+PIPELINE = REFERENCE[torch.float32]
+
 # LoRA under EP + FSDP2 against one process (tests/distributed/test_lora_ep.py): the adapters and the
 # trained router after 6 steps of the tiny run (fp32, lr 1e-2), elementwise, in weight units (entries
 # up to 0.43, ulp 3e-8 there). The same re-associated sums as above reach each gradient element; AdamW

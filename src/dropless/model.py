@@ -174,6 +174,19 @@ class ModelOutput:
         return [m.stats for m in [*self.moe, *self.mtp_moe]]
 
 
+def balancing_loss(cfg: ModelConfig, moe: list[MoEOutput], device: torch.device) -> torch.Tensor:
+    """Sum over MoE layers of the coefficient-weighted micro-batch and sequence aux losses and the
+    z-loss. The global-batch aux loss needs the whole step's counts, so the trainer adds it (a
+    pipeline stage, distributed/pipeline.py, calls this on its own layers)."""
+    bal = cfg.moe.balance
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for m in moe:
+        total = total + bal.aux_loss_coeff * m.aux_loss + bal.z_loss_coeff * m.z_loss
+        if m.seq_aux_loss is not None:
+            total = total + bal.seq_aux_loss_coeff * m.seq_aux_loss
+    return total
+
+
 def _rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return rotary_tables(cfg.max_seq_len, cfg.rope_width, cfg.rope_theta, cfg.rope_yarn)
 
@@ -336,15 +349,7 @@ class MoEModel(nn.Module):
         return ModelOutput(logits, loss, ce, moe_loss, moe, mtp, mtp_moe)
 
     def balancing_loss(self, moe: list[MoEOutput]) -> torch.Tensor:
-        """Sum over MoE layers of the coefficient-weighted micro-batch and sequence aux losses and the
-        z-loss. The global-batch aux loss needs the whole step's counts, so the trainer adds it."""
-        bal = self.cfg.moe.balance
-        total = torch.zeros((), dtype=torch.float32, device=self.embed.weight.device)
-        for m in moe:
-            total = total + bal.aux_loss_coeff * m.aux_loss + bal.z_loss_coeff * m.z_loss
-            if m.seq_aux_loss is not None:
-                total = total + bal.seq_aux_loss_coeff * m.seq_aux_loss
-        return total
+        return balancing_loss(self.cfg, moe, self.embed.weight.device)
 
     def num_params(self) -> dict[str, int]:
         """Total and active (per token) parameter counts; embeddings counted once when tied; the MTP

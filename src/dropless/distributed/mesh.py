@@ -1,4 +1,5 @@
-"""The process group and the device mesh of a run: torchrun's environment in, the (edp, ep) mesh out.
+"""The process group and the device mesh of a run: torchrun's environment in, the (edp, ep) mesh out,
+or with pipeline stages the (pp, edp, ep) mesh: ep innermost (inside a node), then edp, then pp.
 
 Live objects (process groups), never config: `Meshes` is built once by the trainer and handed to
 whatever needs the groups (parallelize.py, the collective watch, checkpoints).
@@ -82,3 +83,35 @@ def build_meshes(ep_size: int, device_type: str) -> Meshes:
     dp = init_device_mesh(dev, (world,), mesh_dim_names=("dp",))
     expert_ckpt = DeviceMesh(dev, mesh.mesh.t().contiguous(), mesh_dim_names=("ep", "edp"))
     return Meshes(mesh, dp, expert_ckpt)
+
+
+@dataclass(frozen=True)
+class PipelineMeshes:
+    """The live meshes of a run with pipeline stages: `stage` is this rank's stage replicas' own
+    `Meshes` (its (edp, ep) mesh and the dp mesh over those edp x ep ranks), which EP and FSDP2
+    use exactly as without stages; `pp` is the pipeline this rank belongs to (the ranks with the same
+    (edp, ep) index, one per stage), which the schedule sends activations over."""
+
+    stage: Meshes
+    pp: DeviceMesh  # 1-D
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self.pp.get_group()
+
+
+def build_pipeline_meshes(pp_size: int, ep_size: int, device_type: str) -> PipelineMeshes:
+    """The (pp, edp, ep) mesh over the default group: rank = (p * edp + i) * ep + j. pp_size x ep_size
+    must divide the world size."""
+    world = dist.get_world_size()
+    if world % (pp_size * ep_size):
+        raise ValueError(f"parallel.pp_size={pp_size} x parallel.ep_size={ep_size} does not divide the world "
+                         f"size {world}")
+    check_ep_in_node(ep_size, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    dev, edp = device_type, world // (pp_size * ep_size)
+    m3 = init_device_mesh(dev, (pp_size, edp, ep_size), mesh_dim_names=("pp", "edp", "ep"))
+    # every rank builds the same global meshes (group creation is collective), then takes its slice
+    flat = DeviceMesh(dev, m3.mesh.reshape(pp_size, edp * ep_size), mesh_dim_names=("pp", "dp"))
+    ckpt = DeviceMesh(dev, m3.mesh.transpose(1, 2).contiguous(), mesh_dim_names=("pp", "ep", "edp"))
+    stage = Meshes(m3["edp", "ep"], flat["dp"], ckpt["ep", "edp"])
+    return PipelineMeshes(stage, flat["pp"])

@@ -47,6 +47,7 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -61,7 +62,8 @@ from .parallelize_ep import shard_moe_layer
 
 def parallelize_model(model: MoEModel, meshes: Meshes, cfg: ParallelConfig) -> list[str]:
     """Apply EP then FSDP2 to `model` in place (order in the module note). Returns the names of the
-    expert parameters (sharded by EP), which checkpoints treat specially."""
+    expert parameters (sharded by EP), which checkpoints treat specially. `model` may also be one
+    pipeline stage (pipeline_stage.py: its blocks a ModuleDict, its root the stage)."""
     ep = meshes.mesh.size(1)
     if cfg.ep_size != ep:
         raise ValueError(f"parallel.ep_size={cfg.ep_size}: the mesh has ep={ep}")
@@ -69,7 +71,7 @@ def parallelize_model(model: MoEModel, meshes: Meshes, cfg: ParallelConfig) -> l
     # FSDP2 warns when a unit returns a view (an in-place op on it would skip the pre-backward hook).
     # Ours do (the MoE output `y.view(shape)`, grouped-GEMM outputs) and nothing modifies them in place:
     # the model and trainer only ever add out of place.
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP(GroupedExperts|Block|MoEModel)\) "
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP(GroupedExperts|Block|MoEModel|StageModel)\) "
                             r"returned a view tensor", category=UserWarning)
     expert_names = []
     for name, module in model.named_modules():
@@ -78,7 +80,8 @@ def parallelize_model(model: MoEModel, meshes: Meshes, cfg: ParallelConfig) -> l
             expert_names += [f"{name}.experts.{p}" for p, _ in module.experts.named_parameters()]
             fully_shard(module.experts, mesh=meshes.mesh["edp"])
             fully_shard(module.router, mesh=meshes.dp)
-    for block in model.blocks:
+    blocks = model.blocks.values() if isinstance(model.blocks, nn.ModuleDict) else model.blocks
+    for block in blocks:
         fully_shard(block, mesh=meshes.dp)
     fully_shard(model, mesh=meshes.dp)
     return expert_names

@@ -1,0 +1,284 @@
+"""Pipeline parallelism from outside the model: stages of an `MoEModel` on a (pp, edp, ep) mesh,
+driven by torch.distributed.pipelining's schedules (we write no scheduler).
+
+Legend: A micro-batches of one optimizer step on one rank (schedule calls x spec.microbatches),
+B rows per schedule call, S sequence, L MoE layers of this rank's stages (in stage order), E selectable
+experts.
+
+Mesh (mesh.build_pipeline_meshes). W = pp x edp x ep ranks, pp outermost. A pipeline is the pp ranks
+with the same (edp, ep) index: the group `PipelineStage` sends activations over. Inside a stage,
+its edp x ep ranks are parallelised exactly as a whole model is without stages (parallelize.py: EP
+over ep, FSDP2 over edp for the experts and over all of them for the rest), and are consecutive
+ranks, inside a node where the world allows.
+
+One optimizer step (`Pipeline.step`) takes this rank's share of the step as schedule calls, each a
+[B, S] batch cut into spec.microbatches micro-batches. The exact MoE semantics across stages:
+- every stage's balancing losses are scaled by 1 / A and ride on its output (pipeline_stage.py), so
+  each micro-batch of each stage's layers counts, as in one process with A micro-batches;
+- the global-batch aux loss needs the step's counts before any backward: a forward-only pass of the
+  schedule (no grad) counts them per stage, all-reduced over the stage's dp ranks, as the one-process
+  trainer's pre-pass;
+- the step's counts per layer (summed over micro-batches, all-reduced over dp) come back for the
+  bias and quantile rules, which the caller applies once per optimizer step to each stage's layers;
+- the gradient norm is global: squared local shards summed over all ranks once, the tied embedding
+  counted once; clipping multiplies every rank's gradients by the same factor.
+Tied embeddings with the first and last stage on different ranks: the last stage's copy of
+`embed.weight` gets the first's gradient added (an all-reduce over the two ranks of each pipeline), so
+both copies take the same update.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as pp_schedules
+from torch.distributed.tensor import DTensor
+
+from ..config import ParallelConfig
+from ..layers import init
+from ..layers.moe import MoEStats
+from ..model import MoEModel
+from .materialize import local_rows
+from .mesh import PipelineMeshes
+from .parallelize import parallelize_model
+from .pipeline_split import PipelineSpec, stage_sizes
+from .pipeline_stage import StageModel
+
+_SCHEDULE_CLASS = {"gpipe": pp_schedules.ScheduleGPipe, "1f1b": pp_schedules.Schedule1F1B,
+                   "interleaved_1f1b": pp_schedules.ScheduleInterleaved1F1B,
+                   "zero_bubble": pp_schedules.ScheduleInterleavedZeroBubble,
+                   "zbv": pp_schedules.ScheduleZBVZeroBubble}
+
+
+def check_model(spec: PipelineSpec, model: MoEModel) -> None:
+    """What stages cannot run yet, refused by name before any process starts work."""
+    cfg = model.cfg
+    spec.check_model(cfg.n_layers)
+    if cfg.mtp_depth:
+        raise ValueError(f"model.mtp_depth={cfg.mtp_depth} with parallel.pp_size={spec.pp_size}: multi-token "
+                         "prediction does not run under pipeline stages yet")
+    if cfg.moe.router.strategy == "hash":
+        raise ValueError(f"model.moe.router.strategy='hash' with parallel.pp_size={spec.pp_size}: hash routing "
+                         "reads the token ids at every MoE layer, which later stages do not receive")
+
+
+def _forward_only(schedule: pp_schedules._PipelineSchedule) -> pp_schedules._PipelineSchedule:
+    """The schedule's forwards alone, in its order (the global aux loss's pre-pass). torch's runtime
+    schedules (interleaved, zero bubble) keep their backward actions under `eval()`, and their
+    lowering refuses an order without backwards, so the forwards are lowered here with the same
+    private helpers (torch is pinned): FSDP's unshard/reshard, then the sends and receives.
+    Removing backwards removes dependencies only, so the order stays deadlock-free."""
+    order = getattr(schedule, "pipeline_order", None)
+    if isinstance(schedule, pp_schedules._PipelineScheduleRuntime) and order:
+        fwd = pp_schedules._ComputationType.FORWARD
+        actions = {r: pp_schedules._add_unshard_reshard([a for a in acts if a is not None and a.computation_type == fwd])
+                   for r, acts in order.items()}
+        ranks = schedule.stage_index_to_group_rank
+        schedule.pipeline_order_with_comms = pp_schedules._add_send_recv(
+            actions, stage_to_rank=lambda s: ranks[s], num_stages=schedule._num_stages)
+    return schedule
+
+
+@dataclass
+class PipelineStep:
+    """What one optimizer step's passes return (device tensors; the host reads them on log steps)."""
+
+    ce: torch.Tensor | None  # mean cross-entropy over the step's micro-batches (ranks with the last stage)
+    moe_loss: torch.Tensor  # this rank's stages' balancing losses, mean over the micro-batches
+    counts_LE: torch.Tensor  # this rank's MoE layers: pairs per expert, summed over the step and dp
+    stats: list[list[MoEStats]]  # per micro-batch, this rank's MoE layers' statistics
+
+
+class Pipeline:
+    def __init__(self, model: MoEModel, spec: PipelineSpec, meshes: PipelineMeshes, parallel: ParallelConfig,
+                 device: torch.device, batch: int, seq_len: int, seed: int,
+                 logits_dtype: torch.dtype = torch.float32) -> None:
+        """This rank's stages of `model` (built on meta: only this rank's shards are ever allocated),
+        parallelised inside the stage as without stages (EP over ep, FSDP2 over the stage's dp ranks;
+        parallelize.py), initialised from `seed` (the one-process values). Every schedule call takes
+        [batch, seq_len] tokens; the last stage's logits come out in `logits_dtype` (the autocast
+        dtype, when the caller runs the steps under one)."""
+        check_model(spec, model)
+        spec.check_batch(batch)
+        self.spec, self.meshes, self.device, self.cfg = spec, meshes, device, model.cfg
+        self.pp_rank, self.dp = meshes.pp.get_local_rank(), meshes.stage.world
+        self.ep = meshes.stage.mesh.size(1)
+        sizes = stage_sizes(spec, list(model.blocks), seq_len, model.head.weight.numel())
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.sizes = sizes
+        self.stage_ids = spec.stages_of(self.pp_rank)
+        self.modules = [StageModel(model, s, spec.num_stages, starts[s], sizes[s]) for s in self.stage_ids]
+        self.expert_names: list[str] = []
+        sharded = self.dp > 1
+        for m in self.modules:
+            if sharded:
+                self.expert_names += parallelize_model(m, meshes.stage, parallel)
+            m.materialize(device)
+        where = local_rows(meshes.stage, self.expert_names) if sharded else init.whole
+        with torch.no_grad():
+            for m in self.modules:
+                init.init_parameters(m, seed, where)
+        self.batch, self.seq_len = batch, seq_len
+        group = meshes.pp_group
+        # static shapes: torch's dynamic mode would infer them by running each stage's forward once
+        # more (on uninitialised activations), which would also count as a micro-batch in `records`
+        b, D, V = batch // spec.microbatches, model.cfg.d_model, model.cfg.vocab_size
+        tokens = torch.empty(b, seq_len, dtype=torch.long, device="meta")
+        hidden = torch.empty(b, seq_len, D, device="meta", requires_grad=True)
+        logits = torch.empty(b, seq_len, V, dtype=logits_dtype, device="meta", requires_grad=True)
+        self.stages = [PipelineStage(m, s, spec.num_stages, device, group=group,
+                                     input_args=tokens if m.is_first else hidden,
+                                     output_args=logits if m.is_last else hidden)
+                       for m, s in zip(self.modules, self.stage_ids)]
+        self.has_first = any(m.is_first for m in self.modules)
+        self.has_last = any(m.is_last for m in self.modules)
+        self._tied_group = self._tie_group() if model.cfg.tie_embeddings else None
+        cls = _SCHEDULE_CLASS[spec.schedule]
+        # scale_grads off: each micro-batch's loss is already divided by the step's micro-batches
+        # (pipeline_stage.py), and the schedule's own scaling would also shrink earlier calls' gradients
+        stages = self.stages[0] if spec.schedule in ("gpipe", "1f1b") else self.stages
+        self.schedule = cls(stages, spec.microbatches, loss_fn=self._loss, scale_grads=False)
+        self._eval_schedule = _forward_only(cls(stages, spec.microbatches, loss_fn=None, scale_grads=False))
+        self._ce_scale = 1.0
+
+    def _tie_group(self) -> dist.ProcessGroup | None:
+        """The two ranks of each pipeline holding the first and the last stage (every rank takes part
+        in creating every group; None where one rank holds both, or this rank holds neither)."""
+        owner = {s: p for p in range(self.spec.pp_size) for s in self.spec.stages_of(p)}
+        first, last = owner[0], owner[self.spec.num_stages - 1]
+        if first == last:
+            return None
+        mine = None
+        world = dist.get_world_size()
+        ranks = torch.arange(world).reshape(self.spec.pp_size, world // self.spec.pp_size)  # mesh.py's order
+        for d in range(ranks.shape[1]):
+            pair = [int(ranks[first, d]), int(ranks[last, d])]
+            g = dist.new_group(pair)
+            if dist.get_rank() in pair:
+                mine = g
+        return mine
+
+    def _loss(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten()) * self._ce_scale
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """This rank's parameters, each once (zbv's rank 0 holds the tied embedding in two stages)."""
+        seen: dict[int, torch.nn.Parameter] = {}
+        for m in self.modules:
+            for p in m.parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """(name in the whole model, parameter), each once."""
+        seen: dict[int, tuple[str, torch.nn.Parameter]] = {}
+        for m in self.modules:
+            for n, p in m.named_parameters():
+                seen.setdefault(id(p), (n, p))
+        return list(seen.values())
+
+    def moe_layers(self) -> list[torch.nn.Module]:
+        return [layer for m in self.modules for layer in m.moe_layers()]
+
+    def _call(self, schedule: pp_schedules._PipelineSchedule, x_BS: torch.Tensor, y_BS: torch.Tensor,
+              losses: list | None) -> None:
+        args = (x_BS,) if self.has_first else ()
+        target = y_BS if self.has_last else None
+        schedule.step(*args, target=target, losses=losses, return_outputs=False) if losses is not None \
+            else schedule.eval(*args)
+
+    def _counts(self, records: list[list]) -> torch.Tensor:
+        """Pairs per expert of this rank's MoE layers, summed over micro-batches and dp ranks."""
+        per_micro = [[s.tokens_per_expert_E for r in rs for s in r.stats] for rs in records]
+        counts = torch.stack([torch.stack(c) for c in per_micro]).sum(0).float() if per_micro and per_micro[0] \
+            else torch.zeros(0, device=self.device)
+        if self.dp > 1 and counts.numel():
+            dist.all_reduce(counts, group=self.meshes.stage.dp_group)
+        return counts
+
+    def _take(self) -> list[list]:
+        """Records of the last pass, per micro-batch, this rank's stages in order."""
+        per_stage = [m.take_records() for m in self.modules]
+        return [list(rs) for rs in zip(*per_stage)]
+
+    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> PipelineStep:
+        """Forward and backward over this rank's share of one optimizer step: `batches` of
+        (tokens_BS, targets_BS), one schedule call each (module note). The gradients accumulate; the
+        caller takes the norm (`clip_grad_norm_`), steps the optimizer and applies the balancing
+        rules with the returned counts."""
+        A = len(batches) * self.spec.microbatches
+        for x, _ in batches:
+            if tuple(x.shape) != (self.batch, self.seq_len):
+                raise ValueError(f"a pipeline step takes [{self.batch}, {self.seq_len}] tokens per call, got "
+                                 f"{list(x.shape)}")
+        for m in self.modules:
+            m.loss_scale, m.num_terms, m.global_counts_LE = 1.0 / A, A * self.dp, None
+        self._ce_scale = 1.0 / A
+        if self.cfg.moe.balance.global_aux_loss_coeff > 0 and self.moe_layers():
+            with torch.no_grad():
+                for x, y in batches:
+                    self._call(self._eval_schedule, x, y, None)
+            counts = self._counts(self._take())
+            at = 0
+            for m in self.modules:
+                n = len(m.moe_layers())
+                m.global_counts_LE, at = counts[at:at + n], at + n
+        ce = torch.zeros((), device=self.device)
+        for x, y in batches:
+            losses: list[torch.Tensor] = []
+            self._call(self.schedule, x, y, losses)
+            for loss in losses:
+                ce = ce + loss.detach()
+        records = self._take()
+        self.sync_tied_grads()
+        moe = torch.stack([r.moe_loss for rs in records for r in rs]).sum() / A if records and records[0] else \
+            torch.zeros((), device=self.device)
+        stats = [[s for r in rs for s in r.stats] for rs in records]
+        return PipelineStep(ce if self.has_last else None, moe, self._counts(records), stats)
+
+    @torch.no_grad()
+    def sync_tied_grads(self) -> None:
+        """The tied embedding's gradient summed over the first and the last stage (module note)."""
+        if self._tied_group is None:
+            return
+        w = next(m.embed.weight for m in self.modules if m.embed is not None)
+        g = w.grad if w.grad is not None else None
+        if g is None:
+            w.grad = g = torch.zeros_like(w)
+        dist.all_reduce(g.to_local() if isinstance(g, DTensor) else g, group=self._tied_group)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The global gradient norm over every rank's shards, and the gradients scaled to `max_norm`
+        when it is > 0 (clip_grad_norm_'s rule); returns the norm. As parallelize.finish_grads_: the
+        expert gradients carry every ep rank's loss gradient, so they are divided by ep (in the norm
+        and in the one multiply); the tied embedding counts once (on the first stage's ranks)."""
+        experts = set(self.expert_names)
+        skip_tied = self._tied_group is not None and not self.has_first
+        dense, expert = [], []
+        for name, p in self.named_parameters():
+            if p.grad is not None:
+                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                (expert if name in experts else dense).append((name, g))
+        sq_dense = torch.zeros((), dtype=torch.float32, device=self.device)
+        sq_expert = torch.zeros((), dtype=torch.float32, device=self.device)
+        for name, g in dense:
+            if not (skip_tied and name == "embed.weight"):
+                sq_dense += g.float().square().sum()
+        for _, g in expert:
+            sq_expert += g.float().square().sum()
+        sq = sq_dense + sq_expert / (self.ep * self.ep)
+        dist.all_reduce(sq)  # every rank: stages, ep slices and dp shards are disjoint pieces of the model
+        norm = sq.sqrt()
+        coef = torch.ones((), dtype=torch.float32, device=self.device)
+        if max_norm > 0:
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        if dense:
+            torch._foreach_mul_([g for _, g in dense], coef)
+        if expert:
+            torch._foreach_mul_([g for _, g in expert], coef / self.ep)
+        return norm

@@ -1,0 +1,139 @@
+"""One pipeline stage of an `MoEModel`: a contiguous run of its blocks, with the embedding on the first
+stage and the final norm and LM head on the last, as an `nn.Module` that torch.distributed.pipelining
+can run (tensors in, one tensor out).
+
+Legend: B micro-batch rows, S sequence, D model width, V vocabulary, L this stage's MoE layers,
+E selectable experts.
+
+Names. A stage holds the model's own modules under the model's names: `embed`, `blocks.<i>` (a
+`ModuleDict` keyed by the block's index in the whole model), `norm`, `head`. So a parameter's name in
+a stage is its name in the model: initial weights (a function of seed and name, layers/init.py) and
+checkpoints agree with one process at any split. With tied embeddings the last stage also holds
+`embed` (its head's weight is `embed.weight`); the pipeline adds its gradient to the first stage's.
+
+Losses. The schedule backpropagates each stage's output and nothing else, so a stage's balancing
+losses (aux, z, sequence aux, and the global-batch aux from the step's counts) ride on its output:
+`_AddLoss` passes the hidden states on unchanged (before the last stage's head) and, in the backward,
+hands the loss a gradient of 1. The loss
+is pre-scaled (`loss_scale`, 1 / the step's micro-batches) exactly as the one-process trainer scales
+each micro-batch's loss, so the gradients are the one-process gradients.
+
+Statistics. Each forward appends its layers' `MoEStats` and its balancing loss (detached) to
+`records`; the pipeline takes them after the schedule call (stats are returned through the pipeline,
+never kept in globals).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..expert_slots import ExpertSlots
+from ..layers import balance
+from ..layers.moe import MoEOutput, MoEStats
+from ..layers.rotary import rotary_tables
+from ..model import MoEModel, balancing_loss
+
+
+class _AddLoss(torch.autograd.Function):
+    """h in the forward; in the backward, h's gradient passed on and a gradient of 1 for `loss`."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        ctx.loss_meta = (loss.dtype, loss.device)
+        # a copy, not a view: the zero-bubble schedules detach a stage's output in place
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+        dtype, device = ctx.loss_meta
+        return grad, torch.ones((), dtype=dtype, device=device)
+
+
+@dataclass(frozen=True)
+class StageRecord:
+    """One forward of a stage: its MoE layers' statistics and its balancing loss (detached)."""
+
+    stats: list[MoEStats]
+    moe_loss: torch.Tensor
+
+
+class StageModel(nn.Module):
+    def __init__(self, model: MoEModel, index: int, num_stages: int, first_block: int, n_blocks: int) -> None:
+        """Stage `index` of `num_stages`, blocks [first_block, first_block + n_blocks) of `model`
+        (built on meta or materialised; the stage shares its modules)."""
+        super().__init__()
+        cfg = self.cfg = model.cfg
+        self.index, self.is_first, self.is_last = index, index == 0, index == num_stages - 1
+        tied = cfg.tie_embeddings
+        self.embed = model.embed if self.is_first or (self.is_last and tied) else None
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(first_block, first_block + n_blocks)})
+        self.norm = model.norm if self.is_last else None
+        self.head = model.head if self.is_last else None
+        rules = model.init_rules()
+        names = {n for n, _ in self.named_parameters()}
+        self._rules = {n: r for n, r in rules.items() if n in names}
+        cos, sin = rotary_tables(cfg.max_seq_len, cfg.rope_width, cfg.rope_theta, cfg.rope_yarn)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.loss_scale = 1.0  # 1 / micro-batches of the optimizer step (set by the pipeline)
+        self.global_counts_LE: torch.Tensor | None = None  # the step's counts, for the global aux loss
+        self.num_terms = 1  # the global aux loss's n: micro-batches of the step over all dp ranks
+        self.records: list[StageRecord] = []
+
+    def init_rules(self) -> dict:
+        """The model's own rules for this stage's parameters (layers/init.py)."""
+        return dict(self._rules)
+
+    def moe_layers(self) -> list[nn.Module]:
+        return [b.ffn for b in self.blocks.values() if b.is_moe]
+
+    def expert_slots(self) -> ExpertSlots:
+        """As MoEModel.expert_slots (parallelize.py asks it)."""
+        layers = self.moe_layers()
+        return layers[0].slots if layers else ExpertSlots.from_config(self.cfg.moe)
+
+    def materialize(self, device: torch.device) -> None:
+        """Allocate this stage's parameters on `device` (uninitialised), tie the head again."""
+        self.to_empty(device=device)
+        if self.is_last and self.cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+        cos, sin = rotary_tables(self.cfg.max_seq_len, self.cfg.rope_width, self.cfg.rope_theta, self.cfg.rope_yarn)
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+        for module in self.modules():  # the routers' buffers
+            if hasattr(module, "reset_buffers"):
+                module.reset_buffers()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """tokens_BS (first stage) or h_BSD in; h_BSD out, or logits_BSV from the last stage."""
+        h = self.embed(x) if self.is_first else x
+        S = h.shape[1]
+        cos, sin = self.rope_cos[:S], self.rope_sin[:S]
+        moe: list[MoEOutput] = []
+        for block in self.blocks.values():
+            out = block(h, cos, sin)
+            h = out.x
+            if out.moe is not None:
+                moe.append(out.moe)
+        loss = self._balancing(moe, h.shape[0] * S)
+        self.records.append(StageRecord([m.stats for m in moe], loss.detach()))
+        if moe and torch.is_grad_enabled():  # before the head: the copy is [B, S, D], not [B, S, V]
+            h = _AddLoss.apply(h, loss * self.loss_scale)
+        return self.head(self.norm(h)) if self.is_last else h
+
+    def _balancing(self, moe: list[MoEOutput], num_tokens: int) -> torch.Tensor:
+        """This micro-batch's balancing losses of this stage's layers, with their coefficients."""
+        loss = balancing_loss(self.cfg, moe, self.rope_cos.device)
+        bal = self.cfg.moe.balance
+        if bal.global_aux_loss_coeff > 0 and moe and self.global_counts_LE is not None:
+            for i, m in enumerate(moe):
+                loss = loss + bal.global_aux_loss_coeff * balance.global_aux_loss(
+                    m.probs_mean_E, self.global_counts_LE[i], self.cfg.moe.top_k,
+                    num_tokens=num_tokens, num_terms=self.num_terms)
+        return loss
+
+    def take_records(self) -> list[StageRecord]:
+        records, self.records = self.records, []
+        return records
