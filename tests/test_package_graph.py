@@ -16,7 +16,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "dropless"
 # level) may not import each other.
 LEVELS: list[dict[str, set[str]]] = [
     {"ops": {"ops"}, "base": {"atomic", "cpu_alloc", "saved_bytes"}},
-    {"config": {"config", "configtree", "moe_config", "attn_config", "parallel_config", "model_knobs",
+    {"config": {"config", "configtree", "moe_config", "attn_config", "parallel_config", "pipeline_config", "model_knobs",
                 "expert_slots", "fixed_fields", "lora_config", "train_config"},
      "device": {"device"}},
     {"layers": {"layers"}},

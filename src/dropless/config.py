@@ -45,6 +45,7 @@ from .attn_config import ATTENTIONS, YarnConfig, check_attention  # noqa: F401  
 from .model_knobs import check_model_knobs, moe_layer_ids  # noqa: E402
 
 from .parallel_config import EP_MODES, ON_OVERFLOW, ParallelConfig  # noqa: F401,E402  (re-exported)
+from .pipeline_config import check_pipeline_run  # noqa: E402
 from .lora_config import LORA_BASES, LORA_TARGETS, LoRAConfig, check_lora_model  # noqa: F401,E402
 from .train_config import (  # noqa: F401,E402  (re-exported)
     COMPILE_ALIASES, COMPILE_MODES, DEVICES, DTYPES, OPTIMIZERS, SCHEDULES, TrainConfig)
@@ -312,6 +313,7 @@ class RunConfig:
             _fail("model.vocab_size", self.model.vocab_size, "is below the 256 ids of data.tokenizer='byte'")
         self.parallel.check_run(self.model.moe, self.train.batch_size * self.train.seq_len, self.train.optimizer)
         check_lora_model(self.train.lora, self.model, self.parallel, self.train.optimizer)
+        check_pipeline_run(self)
         if self.train.compile == "step" and self.parallel.ep_size > 1:
             _fail("train.compile", "step", f"with parallel.ep_size={self.parallel.ep_size}: the whole step "
                   "compiles in one process (FSDP2's hooks and the gradient norm's collectives break its "

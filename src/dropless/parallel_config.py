@@ -1,15 +1,17 @@
 """The parallel part of the config tree (`parallel.*`): expert parallelism and its buffers, overflow
-policy, hot-expert replication, overlap and collective checks (docs/ep.md). Re-exported by config.py,
+policy, hot-expert replication, overlap and collective checks (docs/ep.md); pipeline stages
+(`parallel.pp_*`, pipeline_config.py, docs/parallelism.md). Re-exported by config.py,
 where the rest of the tree lives; split out only to keep that file one screenful of concerns.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Optional, Union  # noqa: F401  (field annotations)
 
 from .configtree import _choice, _fail, _positive  # noqa: F401
 from .moe_config import MoEConfig  # noqa: F401
+from .pipeline_config import PipelineSpec
 
 
 EP_MODES = ("exact", "buffered")
@@ -48,6 +50,15 @@ class ParallelConfig:
     # ranks, placed from the global counts every replica_interval steps; 0 = off
     replicate_hot_experts: int = 0
     replica_interval: int = 100
+    # pipeline stages (distributed/pipeline.py, docs/parallelism.md): pp_size ranks per pipeline, each
+    # running pp_stages_per_rank stages (2+ for interleaved_1f1b and zbv); every micro-batch of
+    # train.batch_size rows is cut into pp_microbatches (0 = pp_size: enough to fill the pipeline);
+    # pp_layers: blocks per stage, in order ([] = balanced by each block's FLOPs)
+    pp_size: int = 1
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int = 0
+    pp_stages_per_rank: int = 1
+    pp_layers: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.validate("parallel")
@@ -89,6 +100,18 @@ class ParallelConfig:
         r = self.a2a_alarm_ratio
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not r > 1:
             _fail(f"{prefix}.a2a_alarm_ratio", r, "must be > 1 (the all-to-all time over its baseline)")
+        if isinstance(self.pp_microbatches, bool) or not isinstance(self.pp_microbatches, int) \
+                or self.pp_microbatches < 0:
+            _fail(f"{prefix}.pp_microbatches", self.pp_microbatches, "must be an int >= 0 (0 = pp_size)")
+        if not isinstance(self.pp_layers, list):
+            _fail(f"{prefix}.pp_layers", self.pp_layers, "must be a list of blocks per stage ([] = balanced)")
+        self.pipeline  # noqa: B018  (the spec's own checks)
+
+    @property
+    def pipeline(self) -> PipelineSpec:
+        """The pipeline's checked shape (pipeline_config.py); pp_size 1 is no pipeline."""
+        return PipelineSpec(self.pp_size, self.pp_schedule, self.pp_microbatches or self.pp_size,
+                            self.pp_stages_per_rank, tuple(self.pp_layers))
 
     def check_experts(self, num_experts: int, prefix: str = "parallel") -> None:
         """E experts must split evenly over ep_size ranks."""

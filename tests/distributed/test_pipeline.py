@@ -18,7 +18,7 @@ from dist_harness import run_world
 from dropless.config import ParallelConfig, load_config
 from dropless.distributed import pipeline as pl
 from dropless.distributed.mesh import build_pipeline_meshes
-from dropless.distributed.pipeline_split import PipelineSpec
+from dropless.pipeline_config import PipelineSpec
 from dropless.layers import balance
 from dropless.model import MoEModel
 from tolerances import PIPELINE, assert_close
@@ -41,19 +41,30 @@ def _data(step: int, dp: int) -> torch.Tensor:
     return torch.randint(0, 256, (dp * CALLS, B, S + 1), generator=g)
 
 
-def _reference(cfg, dp: int, micro: int) -> list[dict]:
+def _segments(step: int, dp: int) -> torch.Tensor:
+    """Packed documents: ids non-decreasing along each row, a new document at ~1 in 4 positions."""
+    g = torch.Generator().manual_seed(200 + step)
+    return (torch.rand(dp * CALLS, B, S, generator=g) < 0.25).long().cumsum(-1)
+
+
+_VAL = torch.randint(0, 256, (3, S + 1), generator=torch.Generator().manual_seed(99))  # 3 rows: not B
+
+
+def _reference(cfg, dp: int, micro: int, packed: bool) -> list[dict]:
     """One process: every step's loss (mean CE), the clipped gradients, the biases after the step."""
     model = MoEModel(cfg, seed=SEED)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     out = []
     for step in range(STEPS):
         chunks = [c for call in _data(step, dp) for c in call.chunk(micro)]
+        segs = [sg if packed else None for call in _segments(step, dp) for sg in call.chunk(micro)]
         A = len(chunks)
         with torch.no_grad():
-            counts = sum(torch.stack([s.tokens_per_expert_E.float() for s in model(c[:, :-1]).stats]) for c in chunks)
+            counts = sum(torch.stack([s.tokens_per_expert_E.float() for s in model(c[:, :-1], segments_BS=sg).stats])
+                         for c, sg in zip(chunks, segs))
         ce_sum = 0.0
-        for c in chunks:
-            o = model(c[:, :-1], c[:, 1:])
+        for c, sg in zip(chunks, segs):
+            o = model(c[:, :-1], c[:, 1:], segments_BS=sg)
             extra = sum(balance.global_aux_loss(m.probs_mean_E, counts[i], cfg.moe.top_k, num_tokens=c[:, :-1].numel(),
                                                 num_terms=A) for i, m in enumerate(o.moe))
             ((o.loss + cfg.moe.balance.global_aux_loss_coeff * extra) / A).backward()
@@ -64,7 +75,9 @@ def _reference(cfg, dp: int, micro: int) -> list[dict]:
         opt.zero_grad()
         for i, layer in enumerate(model.moe_layers()):  # the training forwards' counts are the pre-pass's
             layer.router.set_bias(balance.bias_update(layer.router.expert_bias, counts[i], 0.01))
-        out.append({"ce": ce_sum, "norm": float(norm), "grads": grads,
+        with torch.no_grad():
+            val = float(model(_VAL[:, :-1], _VAL[:, 1:]).ce_loss)
+        out.append({"ce": ce_sum, "norm": float(norm), "grads": grads, "val": val,
                     "bias": {f"blocks.{j}": b.ffn.router.expert_bias.clone()
                              for j, b in enumerate(model.blocks) if b.is_moe}})
     return out
@@ -75,18 +88,21 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _worker(rank: int, world: int, spec: PipelineSpec, ep: int, extra: tuple[str, ...]) -> None:
-    cfg = _cfg(*extra)
+    packed = "packed" in extra
+    cfg = _cfg(*(e for e in extra if e != "packed"))
     dp = world // spec.pp_size
-    ref = _reference(cfg, dp, spec.microbatches)
+    ref = _reference(cfg, dp, spec.microbatches, packed)
     meshes = build_pipeline_meshes(spec.pp_size, ep, "cpu")
     with torch.device("meta"):
         meta = MoEModel(cfg)
-    pipe = pl.Pipeline(meta, spec, meshes, ParallelConfig(ep_size=ep), torch.device("cpu"), B, S, SEED)
+    pipe = pl.Pipeline(meta, spec, meshes, ParallelConfig(ep_size=ep), torch.device("cpu"), B, S, SEED,
+                       packed=packed)
     opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
     d = meshes.stage.dp.get_local_rank()
     for step in range(STEPS):
         calls = _data(step, dp)[d * CALLS:(d + 1) * CALLS]
-        out = pipe.step([(c[:, :-1], c[:, 1:]) for c in calls])
+        segs = _segments(step, dp)[d * CALLS:(d + 1) * CALLS]
+        out = pipe.step([(c[:, :-1], c[:, 1:], sg) if packed else (c[:, :-1], c[:, 1:]) for c, sg in zip(calls, segs)])
         norm = pipe.clip_grad_norm_(CLIP)
         r = ref[step]
         assert abs(float(norm) - r["norm"]) <= PIPELINE.rtol * r["norm"], (step, float(norm), r["norm"])
@@ -108,6 +124,8 @@ def _worker(rank: int, world: int, spec: PipelineSpec, ep: int, extra: tuple[str
         for i, (n, b) in enumerate(layers):
             b.ffn.router.set_bias(balance.bias_update(b.ffn.router.expert_bias, counts[i], 0.01))
             assert_close(b.ffn.router.expert_bias, r["bias"][f"blocks.{n}"], PIPELINE, f"step {step} bias {n}")
+        val, _ = pipe.forward_only(_VAL[:, :-1], _VAL[:, 1:])  # every rank of the pipeline gets it
+        assert abs(float(val) - r["val"]) <= PIPELINE.rtol * r["val"], (step, float(val), r["val"])
 
 
 CASES = {  # world, spec, ep_size, overrides
@@ -118,6 +136,7 @@ CASES = {  # world, spec, ep_size, overrides
     "pp2-zbv": (2, PipelineSpec(2, "zbv", 2, stages_per_rank=2), 1, ()),
     "pp2xedp2": (4, PipelineSpec(2, "1f1b", 2), 1, ()),
     "pp2xep2": (4, PipelineSpec(2, "1f1b", 2), 2, ("model.moe.num_experts=4",)),
+    "pp2-interleaved-packed": (2, PipelineSpec(2, "interleaved_1f1b", 2, stages_per_rank=2), 1, ("packed",)),
 }
 
 

@@ -11,7 +11,8 @@ import torch
 
 from dropless.config import load_config
 from dropless.distributed.pipeline import check_model
-from dropless.distributed.pipeline_split import PipelineSpec, block_cost, split_layers, stage_sizes
+from dropless.distributed.pipeline_split import block_cost, split_layers, stage_sizes
+from dropless.pipeline_config import PipelineSpec
 from dropless.model import MoEModel
 
 

@@ -96,7 +96,11 @@ FACTORS: list[tuple[str, dict[str, list[str]]]] = [
                                   "parallel.dedup=false"],
                 "ep2-buf-auto-hot": [*BUFFERED, "parallel.ragged_buffer_factor=auto", "parallel.on_overflow=retry",
                                      "parallel.replicate_hot_experts=1", "parallel.replica_interval=1",
-                                     "parallel.overlap_shared=false", "parallel.check_collectives=true"]}),
+                                     "parallel.overlap_shared=false", "parallel.check_collectives=true"],
+                # pipeline stages: two ranks of one stage each; zbv's two stages per rank need 4 blocks
+                "pp2-1f1b": ["parallel.pp_size=2"],
+                "pp2-zbv": ["parallel.pp_size=2", "parallel.pp_schedule=zbv", "parallel.pp_stages_per_rank=2",
+                            "parallel.pp_microbatches=2", "parallel.pp_layers=[1,1,1,1]", "model.n_layers=4"]}),
     ("resume_change", {"lr": [], "optimizer": ["stage.resume_optimizer=true"]}),
     # low-rank adapters on a frozen base (the base: train.seed's weights), held in bf16, or packed (QLoRA)
     ("lora", {"-": [], "attn+experts": ["train.lora.rank=4"],
@@ -152,6 +156,8 @@ LEFT_OUT = {
         "cannot take (the capacity baseline: ranks install the EP dispatcher at ep_size 1 too) would stop at "
         "launch instead of being refused; tests/distributed/ trains it, with check_collectives on",
     "ep_size 4": "CI has 2 cores: the EP rows are the world-2 rows",
+    "pp with ep or edp; schedules gpipe, interleaved_1f1b, zero_bubble": "world 4, or the same stage code under "
+        "another torch schedule: tests/distributed/test_pipeline.py runs each against one process",
     "train.lora.layers, dropout, base_from; targets shared, dense, mla_low_rank": "they depend on other factors' "
         "values (which blocks are MoE, shared experts, MLA) or on a base on disk; tests/test_lora*.py cover them",
     "train.device cuda, train.deterministic": "the CPU CI trains deterministically on the CPU",

@@ -76,7 +76,9 @@ def row_numbers(text: str | None, n: int) -> list[int]:
 
 
 def is_ep(values: list[fx.Value]) -> bool:
-    return any(o.startswith("parallel.ep_size=") and o != "parallel.ep_size=1" for v in values for o in v.overrides)
+    """A row that trains on several processes (expert parallel or pipeline stages)."""
+    return any(o.split("=", 1)[0] in ("parallel.ep_size", "parallel.pp_size") and o.split("=", 1)[1] != "1"
+               for v in values for o in v.overrides)
 
 
 def compiles(values: list[fx.Value]) -> bool:

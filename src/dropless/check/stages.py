@@ -54,7 +54,8 @@ class Ctx:
 
     @property
     def row_world(self) -> int:
-        return 2 if self.cfg.parallel.ep_size > 1 else 1
+        p = self.cfg.parallel
+        return p.ep_size * p.pp_size
 
     @property
     def world(self) -> int:
@@ -144,7 +145,7 @@ def resume_changed(ctx: Ctx) -> None:
     if ctx.options.get("resume_optimizer") == "true":
         changes.append(f"train.optimizer={OTHER_OPTIMIZER[ctx.cfg.train.optimizer]}")
     if ctx.row_world > 1:
-        changes += ["parallel.ep_size=1", "parallel.replicate_hot_experts=0"]
+        changes += ["parallel.ep_size=1", "parallel.pp_size=1", "parallel.replicate_hot_experts=0"]
         ctx.options["one_process"] = "true"
     ctx.train("--resume", *sets(changes))
     check_steps(ctx, step)

@@ -24,7 +24,7 @@ One optimizer step (`Pipeline.step`) takes this rank's share of the step as sche
   counted once; clipping multiplies every rank's gradients by the same factor.
 Tied embeddings with the first and last stage on different ranks: the last stage's copy of
 `embed.weight` gets the first's gradient added (an all-reduce over the two ranks of each pipeline), so
-both copies take the same update.
+both copies take the same update (pipeline_grads.py, with the global norm).
 """
 
 from __future__ import annotations
@@ -39,14 +39,15 @@ from torch.distributed.pipelining import schedules as pp_schedules
 from torch.distributed.tensor import DTensor
 
 from ..config import ParallelConfig
-from ..layers import init
-from ..layers.moe import MoEStats
+from ..layers import doc_mask, init
 from ..model import MoEModel
+from ..pipeline_config import PipelineSpec, check_stage_model
 from .materialize import local_rows
 from .mesh import PipelineMeshes
 from .parallelize import parallelize_model
-from .pipeline_split import PipelineSpec, stage_sizes
-from .pipeline_stage import StageModel
+from . import pipeline_grads
+from .pipeline_split import stage_sizes
+from .pipeline_stage import StageModel, StageRecord
 
 _SCHEDULE_CLASS = {"gpipe": pp_schedules.ScheduleGPipe, "1f1b": pp_schedules.Schedule1F1B,
                    "interleaved_1f1b": pp_schedules.ScheduleInterleaved1F1B,
@@ -55,15 +56,8 @@ _SCHEDULE_CLASS = {"gpipe": pp_schedules.ScheduleGPipe, "1f1b": pp_schedules.Sch
 
 
 def check_model(spec: PipelineSpec, model: MoEModel) -> None:
-    """What stages cannot run yet, refused by name before any process starts work."""
-    cfg = model.cfg
-    spec.check_model(cfg.n_layers)
-    if cfg.mtp_depth:
-        raise ValueError(f"model.mtp_depth={cfg.mtp_depth} with parallel.pp_size={spec.pp_size}: multi-token "
-                         "prediction does not run under pipeline stages yet")
-    if cfg.moe.router.strategy == "hash":
-        raise ValueError(f"model.moe.router.strategy='hash' with parallel.pp_size={spec.pp_size}: hash routing "
-                         "reads the token ids at every MoE layer, which later stages do not receive")
+    """What stages cannot run, refused by name before any process starts work."""
+    check_stage_model(spec, model.cfg)
 
 
 def _forward_only(schedule: pp_schedules._PipelineSchedule) -> pp_schedules._PipelineSchedule:
@@ -90,18 +84,19 @@ class PipelineStep:
     ce: torch.Tensor | None  # mean cross-entropy over the step's micro-batches (ranks with the last stage)
     moe_loss: torch.Tensor  # this rank's stages' balancing losses, mean over the micro-batches
     counts_LE: torch.Tensor  # this rank's MoE layers: pairs per expert, summed over the step and dp
-    stats: list[list[MoEStats]]  # per micro-batch, this rank's MoE layers' statistics
+    records: list[list[StageRecord]]  # per micro-batch, this rank's stages' records (MoE outputs, stats)
 
 
 class Pipeline:
     def __init__(self, model: MoEModel, spec: PipelineSpec, meshes: PipelineMeshes, parallel: ParallelConfig,
                  device: torch.device, batch: int, seq_len: int, seed: int,
-                 logits_dtype: torch.dtype = torch.float32) -> None:
+                 logits_dtype: torch.dtype = torch.float32, packed: bool = False) -> None:
         """This rank's stages of `model` (built on meta: only this rank's shards are ever allocated),
         parallelised inside the stage as without stages (EP over ep, FSDP2 over the stage's dp ranks;
         parallelize.py), initialised from `seed` (the one-process values). Every schedule call takes
         [batch, seq_len] tokens; the last stage's logits come out in `logits_dtype` (the autocast
-        dtype, when the caller runs the steps under one)."""
+        dtype, when the caller runs the steps under one). `packed`: every call also takes the
+        document ids of packed windows (segments_BS: attention within each document, model.py)."""
         check_model(spec, model)
         spec.check_batch(batch)
         self.spec, self.meshes, self.device, self.cfg = spec, meshes, device, model.cfg
@@ -122,48 +117,40 @@ class Pipeline:
         with torch.no_grad():
             for m in self.modules:
                 init.init_parameters(m, seed, where)
-        self.batch, self.seq_len = batch, seq_len
-        group = meshes.pp_group
-        # static shapes: torch's dynamic mode would infer them by running each stage's forward once
-        # more (on uninitialised activations), which would also count as a micro-batch in `records`
-        b, D, V = batch // spec.microbatches, model.cfg.d_model, model.cfg.vocab_size
-        tokens = torch.empty(b, seq_len, dtype=torch.long, device="meta")
-        hidden = torch.empty(b, seq_len, D, device="meta", requires_grad=True)
-        logits = torch.empty(b, seq_len, V, dtype=logits_dtype, device="meta", requires_grad=True)
-        self.stages = [PipelineStage(m, s, spec.num_stages, device, group=group,
-                                     input_args=tokens if m.is_first else hidden,
-                                     output_args=logits if m.is_last else hidden)
-                       for m, s in zip(self.modules, self.stage_ids)]
+        self.batch, self.seq_len, self._logits_dtype, self.packed = batch, seq_len, logits_dtype, packed
         self.has_first = any(m.is_first for m in self.modules)
         self.has_last = any(m.is_last for m in self.modules)
-        self._tied_group = self._tie_group() if model.cfg.tie_embeddings else None
-        cls = _SCHEDULE_CLASS[spec.schedule]
+        self.tied_group = pipeline_grads.tie_group(spec) if model.cfg.tie_embeddings else None
         # scale_grads off: each micro-batch's loss is already divided by the step's micro-batches
         # (pipeline_stage.py), and the schedule's own scaling would also shrink earlier calls' gradients
-        stages = self.stages[0] if spec.schedule in ("gpipe", "1f1b") else self.stages
-        self.schedule = cls(stages, spec.microbatches, loss_fn=self._loss, scale_grads=False)
-        self._eval_schedule = _forward_only(cls(stages, spec.microbatches, loss_fn=None, scale_grads=False))
+        self.schedule = self._schedule(batch, spec.microbatches, self._loss, grad=True)
+        self._eval_schedule = _forward_only(self._schedule(batch, spec.microbatches, None, grad=False))
         self._ce_scale = 1.0
 
-    def _tie_group(self) -> dist.ProcessGroup | None:
-        """The two ranks of each pipeline holding the first and the last stage (every rank takes part
-        in creating every group; None where one rank holds both, or this rank holds neither)."""
-        owner = {s: p for p in range(self.spec.pp_size) for s in self.spec.stages_of(p)}
-        first, last = owner[0], owner[self.spec.num_stages - 1]
-        if first == last:
-            return None
-        mine = None
-        world = dist.get_world_size()
-        ranks = torch.arange(world).reshape(self.spec.pp_size, world // self.spec.pp_size)  # mesh.py's order
-        for d in range(ranks.shape[1]):
-            pair = [int(ranks[first, d]), int(ranks[last, d])]
-            g = dist.new_group(pair)
-            if dist.get_rank() in pair:
-                mine = g
-        return mine
+    def _schedule(self, batch: int, microbatches: int, loss_fn, grad: bool) -> pp_schedules._PipelineSchedule:  # noqa: ANN001
+        """The spec's schedule over this rank's stages for [batch, seq_len] calls. Static shapes: torch's
+        dynamic mode would infer them by running each stage's forward once more (on uninitialised
+        activations), which would also count as a micro-batch in `records`."""
+        b, S, D, V = batch // microbatches, self.seq_len, self.cfg.d_model, self.cfg.vocab_size
+        tokens = torch.empty(b, S, dtype=torch.long, device="meta")
+        hidden = torch.empty(b, S, D, device="meta", requires_grad=grad)
+        logits = torch.empty(b, S, V, dtype=self._logits_dtype, device="meta", requires_grad=grad)
+        seg = (torch.empty(b, S, dtype=torch.long, device="meta"),) if self.packed else ()
+        stages = [PipelineStage(m, s, self.spec.num_stages, self.device, group=self.meshes.pp_group,
+                                input_args=((tokens if m.is_first else hidden), *seg),
+                                output_args=logits if m.is_last else (hidden, *seg))
+                  for m, s in zip(self.modules, self.stage_ids)]
+        cls = _SCHEDULE_CLASS[self.spec.schedule]
+        return cls(stages[0] if self.spec.schedule in ("gpipe", "1f1b") else stages, microbatches,
+                   loss_fn=loss_fn, scale_grads=False)
+
+    def _ce(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+        """model.py's cross-entropy: with packed documents 0 (not NaN) where no target is left."""
+        ce_of = doc_mask.packed_cross_entropy if self.packed else F.cross_entropy
+        return ce_of(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
 
     def _loss(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten()) * self._ce_scale
+        return self._ce(logits_BSV, targets_BS) * self._ce_scale
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """This rank's parameters, each once (zbv's rank 0 holds the tied embedding in two stages)."""
@@ -185,8 +172,8 @@ class Pipeline:
         return [layer for m in self.modules for layer in m.moe_layers()]
 
     def _call(self, schedule: pp_schedules._PipelineSchedule, x_BS: torch.Tensor, y_BS: torch.Tensor,
-              losses: list | None) -> None:
-        args = (x_BS,) if self.has_first else ()
+              seg_BS: torch.Tensor | None, losses: list | None) -> None:
+        args = ((x_BS, seg_BS) if self.packed else (x_BS,)) if self.has_first else ()
         target = y_BS if self.has_last else None
         schedule.step(*args, target=target, losses=losses, return_outputs=False) if losses is not None \
             else schedule.eval(*args)
@@ -205,13 +192,16 @@ class Pipeline:
         per_stage = [m.take_records() for m in self.modules]
         return [list(rs) for rs in zip(*per_stage)]
 
-    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> PipelineStep:
+    def step(self, batches: list[tuple[torch.Tensor, ...]]) -> PipelineStep:
         """Forward and backward over this rank's share of one optimizer step: `batches` of
-        (tokens_BS, targets_BS), one schedule call each (module note). The gradients accumulate; the
+        (tokens_BS, targets_BS), with segments_BS third when `packed`, one schedule call each (module note). The gradients accumulate; the
         caller takes the norm (`clip_grad_norm_`), steps the optimizer and applies the balancing
         rules with the returned counts."""
         A = len(batches) * self.spec.microbatches
-        for x, _ in batches:
+        for x, *rest in batches:
+            if len(rest) != 1 + self.packed:
+                raise ValueError(f"a pipeline step takes (tokens, targets{', segments' if self.packed else ''}) "
+                                 f"per call, got {1 + len(rest)} tensors")
             if tuple(x.shape) != (self.batch, self.seq_len):
                 raise ValueError(f"a pipeline step takes [{self.batch}, {self.seq_len}] tokens per call, got "
                                  f"{list(x.shape)}")
@@ -220,65 +210,75 @@ class Pipeline:
         self._ce_scale = 1.0 / A
         if self.cfg.moe.balance.global_aux_loss_coeff > 0 and self.moe_layers():
             with torch.no_grad():
-                for x, y in batches:
-                    self._call(self._eval_schedule, x, y, None)
+                for x, y, *seg in batches:
+                    self._call(self._eval_schedule, x, y, seg[0] if seg else None, None)
             counts = self._counts(self._take())
             at = 0
             for m in self.modules:
                 n = len(m.moe_layers())
                 m.global_counts_LE, at = counts[at:at + n], at + n
         ce = torch.zeros((), device=self.device)
-        for x, y in batches:
+        for x, y, *seg in batches:
             losses: list[torch.Tensor] = []
-            self._call(self.schedule, x, y, losses)
+            self._call(self.schedule, x, y, seg[0] if seg else None, losses)
             for loss in losses:
                 ce = ce + loss.detach()
         records = self._take()
         self.sync_tied_grads()
         moe = torch.stack([r.moe_loss for rs in records for r in rs]).sum() / A if records and records[0] else \
             torch.zeros((), device=self.device)
-        stats = [[s for r in rs for s in r.stats] for rs in records]
-        return PipelineStep(ce if self.has_last else None, moe, self._counts(records), stats)
+        return PipelineStep(ce if self.has_last else None, moe, self._counts(records), records)
+
+    def _owner(self, stage: int) -> int:
+        """The pp rank that runs `stage`."""
+        return next(p for p in range(self.spec.pp_size) if stage in self.spec.stages_of(p))
 
     @torch.no_grad()
+    def forward_only(self, x_BS: torch.Tensor, y_BS: torch.Tensor | None = None,
+                     segments_BS: torch.Tensor | None = None) -> tuple[torch.Tensor | None, list]:
+        """One forward of [B, S] tokens through the pipeline, whole (evaluation, the routing probe):
+        the mean cross-entropy against `y_BS` on every rank of the pipeline (broadcast from the last
+        stage's rank; None without targets), and this rank's stages' records. Collective over the
+        pipeline. No schedule: one micro-batch cannot overlap anything, and torch's schedules want at
+        least as many micro-batches as stages; every rank runs its stages in increasing order,
+        receiving a stage's input from the rank of the stage before (or from itself) and sending its
+        output on, so the sends and receives meet in the same order on both sides. Packed documents:
+        every rank of a pipeline holds the batch, so `segments_BS` is passed to each stage, not sent."""
+        B, S = x_BS.shape
+        group, me = self.meshes.pp_group, self.pp_rank
+        local: dict[int, torch.Tensor] = {}
+        ce = torch.zeros((), device=self.device)
+        for m in sorted(self.modules, key=lambda m: m.index):
+            s = m.index
+            if m.is_first:
+                h = x_BS
+            elif self._owner(s - 1) == me:
+                h = local.pop(s - 1)
+            else:
+                h = torch.empty(B, S, self.cfg.d_model, device=self.device)  # the residual stream is fp32
+                dist.recv(h, group=group, group_src=self._owner(s - 1))
+            out = m(h, segments_BS)
+            if isinstance(out, tuple):
+                out = out[0]
+            if m.is_last:
+                if y_BS is not None:
+                    ce_of = doc_mask.packed_cross_entropy if segments_BS is not None else F.cross_entropy
+                    ce = ce_of(out.float().flatten(0, 1), y_BS.flatten())
+            elif self._owner(s + 1) == me:
+                local[s] = out
+            else:
+                dist.send(out.float().contiguous(), group=group, group_dst=self._owner(s + 1))
+        records = self._take()
+        if y_BS is None:
+            return None, records
+        ce = ce.detach().float().reshape(())
+        dist.broadcast(ce, group=group, group_src=self._owner(self.spec.num_stages - 1))
+        return ce, records
+
     def sync_tied_grads(self) -> None:
-        """The tied embedding's gradient summed over the first and the last stage (module note)."""
-        if self._tied_group is None:
-            return
-        w = next(m.embed.weight for m in self.modules if m.embed is not None)
-        g = w.grad if w.grad is not None else None
-        if g is None:
-            w.grad = g = torch.zeros_like(w)
-        dist.all_reduce(g.to_local() if isinstance(g, DTensor) else g, group=self._tied_group)
+        """The tied embedding's gradient summed over the first and the last stage (pipeline_grads.py)."""
+        pipeline_grads.sync_tied_grads(self)
 
-    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """The global gradient norm over every rank's shards, and the gradients scaled to `max_norm`
-        when it is > 0 (clip_grad_norm_'s rule); returns the norm. As parallelize.finish_grads_: the
-        expert gradients carry every ep rank's loss gradient, so they are divided by ep (in the norm
-        and in the one multiply); the tied embedding counts once (on the first stage's ranks)."""
-        experts = set(self.expert_names)
-        skip_tied = self._tied_group is not None and not self.has_first
-        dense, expert = [], []
-        for name, p in self.named_parameters():
-            if p.grad is not None:
-                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                (expert if name in experts else dense).append((name, g))
-        sq_dense = torch.zeros((), dtype=torch.float32, device=self.device)
-        sq_expert = torch.zeros((), dtype=torch.float32, device=self.device)
-        for name, g in dense:
-            if not (skip_tied and name == "embed.weight"):
-                sq_dense += g.float().square().sum()
-        for _, g in expert:
-            sq_expert += g.float().square().sum()
-        sq = sq_dense + sq_expert / (self.ep * self.ep)
-        dist.all_reduce(sq)  # every rank: stages, ep slices and dp shards are disjoint pieces of the model
-        norm = sq.sqrt()
-        coef = torch.ones((), dtype=torch.float32, device=self.device)
-        if max_norm > 0:
-            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        if dense:
-            torch._foreach_mul_([g for _, g in dense], coef)
-        if expert:
-            torch._foreach_mul_([g for _, g in expert], coef / self.ep)
-        return norm
+        """The global gradient norm, the gradients clipped to `max_norm` (pipeline_grads.py)."""
+        return pipeline_grads.clip_grad_norm_(self, max_norm)

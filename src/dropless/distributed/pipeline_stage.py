@@ -31,9 +31,9 @@ import torch
 from torch import nn
 
 from ..expert_slots import ExpertSlots
-from ..layers import balance
+from ..layers import balance, doc_mask
 from ..layers.moe import MoEOutput, MoEStats
-from ..layers.rotary import rotary_tables
+from ..layers.rotary import rotary_at, rotary_tables
 from ..model import MoEModel, balancing_loss
 
 
@@ -54,10 +54,22 @@ class _AddLoss(torch.autograd.Function):
 
 @dataclass(frozen=True)
 class StageRecord:
-    """One forward of a stage: its MoE layers' statistics and its balancing loss (detached)."""
+    """One forward of a stage: its MoE layers' outputs without activations or graph (losses detached,
+    statistics; what the routing health reads) and its balancing loss (detached)."""
 
-    stats: list[MoEStats]
+    moe: list[MoEOutput]
     moe_loss: torch.Tensor
+
+    @property
+    def stats(self) -> list[MoEStats]:
+        return [m.stats for m in self.moe]
+
+
+def _detached(m: MoEOutput) -> MoEOutput:
+    return MoEOutput(_NO_Y, m.aux_loss.detach(), m.z_loss.detach(), m.stats)
+
+
+_NO_Y = torch.empty(0)
 
 
 class StageModel(nn.Module):
@@ -106,22 +118,33 @@ class StageModel(nn.Module):
             if hasattr(module, "reset_buffers"):
                 module.reset_buffers()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """tokens_BS (first stage) or h_BSD in; h_BSD out, or logits_BSV from the last stage."""
+    def forward(self, x: torch.Tensor, segments_BS: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """tokens_BS (first stage) or h_BSD in; h_BSD out, or logits_BSV from the last stage. Packed
+        documents: `segments_BS` in (model.py's), and out again beside h_BSD for the next stage (an
+        integer tensor the schedule sends on and never differentiates); each stage makes its own
+        mask and positions from it."""
         h = self.embed(x) if self.is_first else x
         S = h.shape[1]
-        cos, sin = self.rope_cos[:S], self.rope_sin[:S]
+        cos, sin, mask = self.rope_cos[:S], self.rope_sin[:S], None
+        if segments_BS is not None:
+            pos = doc_mask.positions_of(segments_BS)
+            cos, sin = rotary_at(self.rope_cos, 0, S, pos), rotary_at(self.rope_sin, 0, S, pos)
+            mask = doc_mask.doc_mask(segments_BS, doc_mask.uses_flex(h.device, (self.cfg.head_width,
+                                                                               self.cfg.value_width)))
         moe: list[MoEOutput] = []
         for block in self.blocks.values():
-            out = block(h, cos, sin)
+            out = block(h, cos, sin, mask_B1SL=mask)
             h = out.x
             if out.moe is not None:
                 moe.append(out.moe)
         loss = self._balancing(moe, h.shape[0] * S)
-        self.records.append(StageRecord([m.stats for m in moe], loss.detach()))
+        self.records.append(StageRecord([_detached(m) for m in moe], loss.detach()))
         if moe and torch.is_grad_enabled():  # before the head: the copy is [B, S, D], not [B, S, V]
             h = _AddLoss.apply(h, loss * self.loss_scale)
-        return self.head(self.norm(h)) if self.is_last else h
+        if self.is_last:
+            return self.head(self.norm(h))
+        return h if segments_BS is None else (h, segments_BS)
 
     def _balancing(self, moe: list[MoEOutput], num_tokens: int) -> torch.Tensor:
         """This micro-batch's balancing losses of this stage's layers, with their coefficients."""

@@ -98,7 +98,7 @@ def load_data(cfg: RunConfig, layout: Layout) -> DataSource:
                          f"vocabulary ({tokenizer.vocab_size})")
     splits = load_runs(d, tokenizer, cfg.train.seq_len)
     train, val = split_windows(d, splits, cfg.train.seq_len)
-    return DataSource(cfg.train, tokenizer, train, val, layout.device, layout.world_size, layout.rank,
+    return DataSource(cfg.train, tokenizer, train, val, layout.device, layout.dp_world, layout.dp_rank,
                       source=splits.source)
 
 

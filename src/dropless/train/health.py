@@ -32,12 +32,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 import contextlib
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from torch.distributed.fsdp import FSDPModule
 
 from ..config import RunConfig
+from ..distributed.pipeline_model import merge_records
 from ..layers import balance
 from ..layers.moe import MoELayer
 from ..model import MoEModel, ModelOutput
@@ -57,15 +58,18 @@ class TrainHealth:
     def __init__(self, model: MoEModel, run_dir: Path, probe_BS: torch.Tensor,
                  all_reduce: AllReduce | None = None, echo: bool = True, write: bool = True,
                  alarm_warmup: int = 0, a2a_watch: "CommWatch | None" = None,
-                 a2a_alarm_ratio: float = 1.5) -> None:
+                 a2a_alarm_ratio: float = 1.5, merge: Callable[[dict], dict] | None = None) -> None:
+        """`merge`: under pipeline stages, gathers the ranks' records of their own layers into the
+        whole model's (distributed/pipeline_model.py); every rank calls it."""
         self.model = model
+        self.merge = merge
         self.layers: list[MoELayer] = model.moe_layers()
         moe = model.cfg.moe
         self.cfg = moe
         # per-expert tables over every selectable expert: the layers count identity experts too
         self.slots = model.expert_slots()
         self.reduce = all_reduce or _no_reduce
-        dev = model.embed.weight.device
+        dev = next(model.parameters()).device  # (a pipeline stage may hold no embedding)
         self.acc = mstats.StepAccumulator(len(self.layers), self.slots.selectable, moe.top_k, dev)
         # the buffer rules' layers (module note): the main ones, then the MTP modules' MoE blocks
         self.rule_layers: list[MoELayer] = model.all_moe_layers()
@@ -233,7 +237,10 @@ class TrainHealth:
     def record(self, step: int, autocast: torch.autocast, run_dir: Path,
                overflow: list[torch.Tensor | None] | None = None) -> dict:
         if not self.layers:
-            return {}
+            if self.merge is None:
+                return {}
+            self.probe(autocast)  # a pipeline rank without MoE layers: its stages still run the probe
+            return self._write(self.merge({"step": int(step), "layers": []}), run_dir)
         inputs, ids = self.probe(autocast)
         flip_bf16 = []
         for layer, x in zip(self.layers, inputs):
@@ -249,6 +256,11 @@ class TrainHealth:
             a2a_ms = self.a2a_watch.take_a2a_ms()
             self.reduce(a2a_ms, "max")
             row["a2a_ms"] = a2a_ms.item()
+        if self.merge is not None:
+            row = self.merge(row)
+        return self._write(row, run_dir)
+
+    def _write(self, row: dict, run_dir: Path) -> dict:
         if self.write:
             with (run_dir / "routing.jsonl").open("a") as fh:
                 fh.write(json.dumps(row) + "\n")
@@ -285,6 +297,11 @@ def build_health(cfg: RunConfig, model: MoEModel, layout: Layout, probe_BS: torc
     """The trainer's routing health: reduced over the layout's ranks, written by rank 0, with the
     all-to-all alarm under EP."""
     p = layout.parallel
+    merge = None
+    if layout.pipeline is not None:
+        ids, group = model.moe_block_ids(), layout.pipeline.meshes.pp_group
+        merge = lambda row: merge_records(row, ids, group)  # noqa: E731
     return TrainHealth(model, run_dir, probe_BS, all_reduce=layout.reduce, echo=cfg.log.progress,
                        write=layout.is_main, alarm_warmup=cfg.train.warmup_steps,
-                       a2a_alarm_ratio=p.a2a_alarm_ratio, a2a_watch=layout.comm_watch if p.ep_size > 1 else None)
+                       a2a_alarm_ratio=p.a2a_alarm_ratio, a2a_watch=layout.comm_watch if p.ep_size > 1 else None,
+                       merge=merge)

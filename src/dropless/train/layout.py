@@ -12,6 +12,11 @@ from the mesh.
 
 The layout also says how a step's gradients are finished: over the mesh (the expert gradients
 divided by the EP size, one global norm) or, in one process, plain clipping.
+
+Pipeline stages (`parallel.pp_size` > 1, distributed/pipeline.py): the (pp, edp, ep) mesh; this rank
+builds, parallelises and fills only its stages, and the trainer holds them as one `PipelineModel`
+under the model's names. The data-parallel index and size (`dp_rank`, `dp_world`) are then those of
+the stage's replicas: every rank of a pipeline draws the same batches.
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ from ..config import ParallelConfig, RunConfig
 from ..device import Placement
 from ..distributed import parallelize as par
 from ..distributed.materialize import Fill, build_model
-from ..distributed.mesh import Meshes, build_meshes
+from ..distributed.mesh import Meshes, build_meshes, build_pipeline_meshes
+from ..distributed.pipeline import Pipeline
+from ..distributed.pipeline_model import PipelineModel
 from ..distributed.watch import CommWatch, build_watch
 from ..model import MoEModel
 from .ep_replicas_train import HotReplicas
@@ -49,6 +56,9 @@ class Layout:
     reduce: AllReduce | None = None  # in-place sum/max over the data-parallel ranks
     comm_watch: CommWatch | None = None  # None in one process
     replicas: HotReplicas | None = None  # parallel.replicate_hot_experts > 0
+    pipeline: Pipeline | None = None  # parallel.pp_size > 1
+    dp_world: int = 1  # the data-parallel ranks (world_size, or world_size / pp_size with stages)
+    dp_rank: int = 0  # this rank's index among them
 
     @property
     def device(self) -> torch.device:
@@ -61,6 +71,8 @@ class Layout:
     def finish_grads(self, model: MoEModel, grad_clip: float) -> torch.Tensor:
         """After the step's backward passes: the global gradient norm (a device scalar), clipped to
         `grad_clip` unless 0."""
+        if self.pipeline is not None:
+            return self.pipeline.clip_grad_norm_(grad_clip)
         if self.meshes is not None:
             return par.finish_grads_(model, self.expert_names, self.meshes.mesh.size(1), grad_clip,
                                      self.meshes.dp_group)
@@ -85,18 +97,24 @@ def build_layout(cfg: RunConfig, device: torch.device | str | None = None) -> La
     # buffered EP: the shared bound on a micro-batch's tokens; a replayed record's sequences are as
     # long as model.max_seq_len, not train.seq_len (data/replay.py)
     longest = cfg.model.max_seq_len if cfg.data.replay_routing else t.seq_len
-    return Layout(placement, distributed, world_size=dist.get_world_size() if distributed else 1,
-                  rank=dist.get_rank() if distributed else 0,
-                  parallel=cfg.parallel.with_token_bound(t.batch_size * longest))
+    world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+    dp_world = world // cfg.parallel.pp_size if world % cfg.parallel.pp_size == 0 else world
+    return Layout(placement, distributed, world_size=world, rank=rank,
+                  parallel=cfg.parallel.with_token_bound(t.batch_size * longest),
+                  dp_world=dp_world, dp_rank=rank % dp_world)
 
 
-def place_model(cfg: RunConfig, layout: Layout, init_weights: Fill | None = None) -> tuple[Layout, MoEModel]:
+def place_model(cfg: RunConfig, layout: Layout, init_weights: Fill | None = None,
+                packed: bool = False) -> tuple[Layout, MoEModel]:
     """The model on the layout's device, parallelised over its processes; the layout returned with
-    the mesh, the reduction, the watch and the replicas filled in."""
+    the mesh, the reduction, the watch and the replicas filled in. `packed`: the batches carry
+    document ids (what pipeline stages must pass on)."""
     p = layout.parallel
     if not layout.distributed and p.ep_size > 1:
         raise ValueError(f"parallel.ep_size={p.ep_size}: expert parallelism needs several processes "
                          "(dropless train --nproc N, or torchrun -m dropless.train)")
+    if p.pp_size > 1:
+        return _place_pipeline(cfg, layout, init_weights, packed)
     # Built on the meta device, parallelised there, then each rank allocates and fills its own
     # shards (distributed/materialize.py): the initial weights are a function of (train.seed,
     # parameter name), the same at every world size and EP layout
@@ -109,4 +127,28 @@ def place_model(cfg: RunConfig, layout: Layout, init_weights: Fill | None = None
         layout.reduce = par.dp_all_reduce(meshes.dp_group)
     layout.comm_watch = build_watch(layout.meshes, layout.device, p)
     layout.replicas = HotReplicas.build(model, layout.meshes, p, layout.device)  # before the guards
+    return layout, model
+
+
+def _place_pipeline(cfg: RunConfig, layout: Layout, init_weights: Fill | None,
+                    packed: bool) -> tuple[Layout, PipelineModel]:
+    """This rank's stages, parallelised inside and filled (module note)."""
+    p = layout.parallel
+    if not layout.distributed:
+        raise ValueError(f"parallel.pp_size={p.pp_size}: pipeline stages need several processes "
+                         "(dropless train --nproc N, or torchrun -m dropless.train)")
+    if init_weights is not None:
+        raise ValueError(f"--init-from with parallel.pp_size={p.pp_size}: loading weights into pipeline stages "
+                         "is not supported yet; train one stage layout, or resume a checkpoint")
+    meshes = build_pipeline_meshes(p.pp_size, p.ep_size, layout.device.type)
+    with torch.device("meta"):
+        whole = MoEModel(cfg.model)
+    counts = whole.num_params()
+    t = cfg.train
+    pipe = Pipeline(whole, p.pipeline, meshes, p, layout.device, t.batch_size, t.seq_len, t.seed,
+                    logits_dtype=layout.placement.autocast_dtype or torch.float32, packed=packed)
+    model = PipelineModel(pipe, counts)
+    layout = dataclasses.replace(layout, param_counts=counts, meshes=meshes.stage, expert_names=pipe.expert_names,
+                                 reduce=par.dp_all_reduce(meshes.stage.dp_group), pipeline=pipe)
+    layout.comm_watch = build_watch(layout.meshes, layout.device, p)
     return layout, model

@@ -55,6 +55,7 @@ from .data_source import load_data, with_replay
 from .health import build_health
 from .layout import build_layout, place_model
 from .micro_batches import StepLosses, build_micro_batches
+from .pipeline_micro import PipelineMicroBatches
 from .nonfinite import NonFiniteGuard
 from .compile_step import build_step_fns, check_cuda_graphs
 from .optim import build_optimizer
@@ -87,7 +88,10 @@ class Trainer:
             if latest is not None:
                 lora_base.check_digest(dist_checkpoint.trainer_state(latest).get("lora_base"), self.lora_base,
                                        f"--resume from {latest}")
-        self.layout, self.model = place_model(cfg, self.layout, fill)
+        # pipeline stages pass packed windows' document ids on with the hidden states (a batch is a
+        # function of (seed, step, micro-step): drawing one here changes nothing)
+        packed = cfg.parallel.pp_size > 1 and self.data.batch(0, 0).segments_BS is not None
+        self.layout, self.model = place_model(cfg, self.layout, fill, packed=packed)
         lay = self.layout
         check_cuda_graphs(t, lay.device)  # before anything is written
         if t.compile == "step" and lay.distributed:  # (ep_size > 1 is refused by the config itself)
@@ -104,7 +108,7 @@ class Trainer:
             self.compiled = self.step_fns.model_graph
         self.overflow = (build_guard(self.model, self.optimizer, lay.reduce, lay.parallel, cfg.model.moe.top_k,
                                      lay.device) if lay.distributed else None)
-        self.nonfinite = NonFiniteGuard(t.max_nonfinite_steps, lay.reduce, device=self.model.embed.weight.device)
+        self.nonfinite = NonFiniteGuard(t.max_nonfinite_steps, lay.reduce, device=lay.device)
         self.data = with_replay(self.data, cfg, self.model)
         self.health = build_health(cfg, self.model, lay, self.data.probe(), Path(run_dir))
         self.run_dir = open_run_dir(run_dir, resume, lay.is_main)  # the first write
@@ -112,9 +116,16 @@ class Trainer:
         if resume:
             state = self.run_dir.resume(cfg, lay, self.model, self.optimizer, self.nonfinite, self.data.replay)
             self.start_step = int(state["step"])
-            self.health.restore(state.get("health", {}), self.run_dir.routing.read(), rank=lay.rank,
-                                world=lay.world_size)
-        self.micro = build_micro_batches(cfg, self.model, self.data, lay, self.health, self.overflow)
+            health = state.get("health", {})
+            if state.get("pp_size", 1) != cfg.parallel.pp_size or (cfg.parallel.pp_size > 1 and
+                                                                   state.get("world_size") != lay.world_size):
+                # ranks of another pipeline layout held other layers: the interval's partial sums restart
+                health = {k: v for k, v in health.items() if k != "acc"}
+            self.health.restore(health, self.run_dir.routing.read(), rank=lay.rank, world=lay.world_size)
+        self.micro = (build_micro_batches(cfg, self.model, self.data, lay, self.health, self.overflow)
+                      if lay.pipeline is None else
+                      PipelineMicroBatches(lay.pipeline, t.grad_accum, self.data, self.health, lay.placement.autocast,
+                                           lay.device))
         if lay.is_main:
             save_config(cfg, self.run_dir.path / "config.toml")
 
@@ -123,7 +134,8 @@ class Trainer:
         collective under several processes."""
         lay = self.layout
         state = {"step": next_step, "rng": ckpt.rng_state(), "config": to_dict(self.cfg),
-                 "world_size": lay.world_size, "nonfinite": self.nonfinite.state_dict(),
+                 "world_size": lay.world_size, "pp_size": self.cfg.parallel.pp_size,
+                 "nonfinite": self.nonfinite.state_dict(),
                  "health": dist_checkpoint.gather_health(self.health.state_dict(), lay.distributed)}
         if self.data.replay is not None:
             state["replay"] = self.data.replay.state_dict()
@@ -185,8 +197,8 @@ class Trainer:
         lay = self.layout
         self.model.eval()
         batches = self.data.val_batches()
-        mine = batches[lay.rank::lay.world_size]
-        rounds = -(-len(batches) // lay.world_size)
+        mine = batches[lay.dp_rank::lay.dp_world]  # (every rank of a pipeline: the same batches)
+        rounds = -(-len(batches) // lay.dp_world)
         sums = torch.zeros(2, dtype=torch.float64, device=lay.device)  # sum of ce * tokens, tokens
         with par.exact_dispatch(self.model):
             for i in range(rounds):
@@ -207,7 +219,10 @@ class Trainer:
         # The one host sync of the interval for the losses; the routing record makes its own.
         mtp = [sums.mtp] if sums.mtp is not None else []
         losses = torch.stack([sums.loss, sums.ce, sums.moe, *mtp])
-        if self.layout.distributed:  # means over ranks (the gradient norm is already global)
+        if self.layout.pipeline is not None:  # each rank holds its stages' part: summed over all ranks
+            torch.distributed.all_reduce(losses)
+            losses = losses / self.layout.dp_world
+        elif self.layout.distributed:  # means over ranks (the gradient norm is already global)
             self.health.reduce(losses, "sum")
             losses = losses / self.layout.world_size
         values = torch.cat([grad_norm.float().reshape(1), losses]).tolist()

@@ -138,4 +138,4 @@ class MicroBatches:
 def build_micro_batches(cfg: RunConfig, model: MoEModel, data: DataSource, layout: Layout,
                         health: TrainHealth, overflow: OverflowGuard | None) -> MicroBatches:
     return MicroBatches(cfg, model, data, health, layout.placement.autocast, layout.device,
-                        layout.world_size, layout.replicas, overflow)
+                        layout.dp_world, layout.replicas, overflow)

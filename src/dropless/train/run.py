@@ -226,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
                                  "process; use train.compile=blocks under several processes")
             if world % cfg.parallel.ep_size:
                 raise ValueError(f"parallel.ep_size={cfg.parallel.ep_size} does not divide the world size {world}")
+            if world % (cfg.parallel.ep_size * cfg.parallel.pp_size):
+                raise ValueError(f"parallel.pp_size={cfg.parallel.pp_size} x parallel.ep_size={cfg.parallel.ep_size} "
+                                 f"does not divide the world size {world}")
             check_ep_in_node(cfg.parallel.ep_size, world, args.nproc)
             return launch(args, argv, run_dir)
         from ..device import resolve_device
