@@ -73,18 +73,27 @@ def test_pipeline_trains_like_one_process_and_resumes_across_layouts(tmp_path: P
     assert [len(r["layers"]) for r in routing] == [3] * 6
     assert [layer["counts"] for layer in routing[0]["layers"]] == [layer["counts"] for layer in ref[0]["layers"]]
 
-    # pp 2's checkpoint at step 3, resumed in one process; one process's, resumed at pp 2
+    # pp 2's checkpoint at step 3, resumed in one process and at pp 2; one process's, resumed at pp 2
     a = _from_step3(pp, tmp_path / "pp_to_one")
     Trainer(cfg(), a, resume=True).fit()
     b = _from_step3(one, tmp_path / "one_to_pp")
     run_world(_train, 2, tmp_path, b, PP, True)
-    for run in (a, b):
+    c = _from_step3(pp, tmp_path / "pp_to_pp")
+    run_world(_train, 2, tmp_path, c, PP, True)
+    for run in (a, b, c):
         _close(rows(run, "loss")[-3:], rows(one, "loss")[-3:], "loss", PARALLEL_TRAIN_LOSS, run.name)
         _close(rows(run, "val_loss")[-1:], rows(one, "val_loss")[-1:], "val_loss", PARALLEL_TRAIN_LOSS, run.name)
+        # checkpoints hold rank 0's probe ids (under stages, rank 0's layers only): the first flip rate
+        # after a resume that has or had stages is left out, never measured against another layer's ids
+        first = json.loads((run / "routing.jsonl").read_text().splitlines()[0])
+        assert first["step"] == 3 and [layer["flip_step"] for layer in first["layers"]] == [None] * 3, run.name
+
+
+PACKED = ("data.document_mask=true", "train.steps=3", "model.n_dense_layers=2")  # rank 0: no MoE layer
 
 
 def _train_packed(rank: int, world: int, run_dir: Path) -> None:
-    trainer = Trainer(cfg(*PP, "data.document_mask=true", "train.steps=3"), run_dir)
+    trainer = Trainer(cfg(*PP, *PACKED), run_dir)
     assert trainer.layout.pipeline.packed  # the stages take and pass on the document ids
     trainer.fit()
 
@@ -95,18 +104,21 @@ def test_packed_documents_through_stages(tmp_path: Path) -> None:
     them on (the masking itself against one process, with documents inside every window:
     test_pipeline.py's packed case)."""
     one = tmp_path / "one"
-    Trainer(cfg("data.document_mask=true", "train.steps=3"), one).fit()
+    Trainer(cfg(*PACKED), one).fit()
     pp = tmp_path / "pp"
     run_world(_train_packed, 2, tmp_path, pp)
     for key in ("loss", "val_loss"):
         _close(rows(pp, key), rows(one, key), key, PARALLEL_TRAIN_LOSS)
+    # the first stage's rank holds no MoE layer: it still runs the probe, and the record has both layers
+    routing = [json.loads(line) for line in (pp / "routing.jsonl").read_text().splitlines()]
+    assert [len(r["layers"]) for r in routing] == [2] * 3
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--nproc", "3", "--set", "parallel.pp_size=2"],
      "parallel.pp_size=2 x parallel.ep_size=1 does not divide the world size 3"),
     (["--set", "parallel.pp_size=2"], "parallel.pp_size=2: pipeline stages need several processes"),
-    (["--nproc", "2", "--set", "parallel.pp_size=2", "--set", "train.lora.rank=4"],
+    (["--nproc", "2", "--set", "parallel.pp_size=2", "--set", "train.lora.rank=4", "--set", "train.optimizer=adamw"],
      "train.lora.rank=4: with parallel.pp_size=2: not under pipeline stages yet (LoRA)"),
     (["--nproc", "2", "--set", "parallel.pp_size=2", "--set", "train.compile=blocks"],
      "train.compile='blocks': with parallel.pp_size=2: not under pipeline stages yet"),

@@ -208,7 +208,8 @@ class Pipeline:
         for m in self.modules:
             m.loss_scale, m.num_terms, m.global_counts_LE = 1.0 / A, A * self.dp, None
         self._ce_scale = 1.0 / A
-        if self.cfg.moe.balance.global_aux_loss_coeff > 0 and self.moe_layers():
+        # the pre-pass is collective over the pipeline: every rank runs it, with MoE layers or not
+        if self.cfg.moe.balance.global_aux_loss_coeff > 0 and self.cfg.moe_layer_ids:
             with torch.no_grad():
                 for x, y, *seg in batches:
                     self._call(self._eval_schedule, x, y, seg[0] if seg else None, None)

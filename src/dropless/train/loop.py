@@ -117,10 +117,13 @@ class Trainer:
             state = self.run_dir.resume(cfg, lay, self.model, self.optimizer, self.nonfinite, self.data.replay)
             self.start_step = int(state["step"])
             health = state.get("health", {})
-            if state.get("pp_size", 1) != cfg.parallel.pp_size or (cfg.parallel.pp_size > 1 and
-                                                                   state.get("world_size") != lay.world_size):
-                # ranks of another pipeline layout held other layers: the interval's partial sums restart
-                health = {k: v for k, v in health.items() if k != "acc"}
+            pp_then = state.get("pp_size", 1)
+            if pp_then > 1 or cfg.parallel.pp_size > 1:
+                # trainer.pt holds rank 0's probe ids, which under stages are rank 0's layers only: the
+                # first flip rate after the resume is left out; the interval's per-rank sums are kept
+                # where every rank holds the same layers as before (same layout), else they restart
+                same = pp_then == cfg.parallel.pp_size and state.get("world_size") == lay.world_size
+                health = {k: v for k, v in health.items() if k != "prev_probe_ids" and (same or k != "acc")}
             self.health.restore(health, self.run_dir.routing.read(), rank=lay.rank, world=lay.world_size)
         self.micro = (build_micro_batches(cfg, self.model, self.data, lay, self.health, self.overflow)
                       if lay.pipeline is None else
