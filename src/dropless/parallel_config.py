@@ -11,7 +11,7 @@ from typing import Optional, Union  # noqa: F401  (field annotations)
 
 from .configtree import _choice, _fail, _positive  # noqa: F401
 from .moe_config import MoEConfig  # noqa: F401
-from .pipeline_config import PipelineSpec
+from .pipeline_config import SCHEDULES, PipelineSpec
 
 
 EP_MODES = ("exact", "buffered")
@@ -105,7 +105,10 @@ class ParallelConfig:
             _fail(f"{prefix}.pp_microbatches", self.pp_microbatches, "must be an int >= 0 (0 = pp_size)")
         if not isinstance(self.pp_layers, list):
             _fail(f"{prefix}.pp_layers", self.pp_layers, "must be a list of blocks per stage ([] = balanced)")
-        self.pipeline  # noqa: B018  (the spec's own checks)
+        if self.pp_size != 1:  # (at 1 the other pp fields are unused: a pipelined run resumed in one process)
+            self.pipeline  # noqa: B018  (the spec's own checks)
+        else:
+            _choice(f"{prefix}.pp_schedule", self.pp_schedule, SCHEDULES)
 
     @property
     def pipeline(self) -> PipelineSpec:

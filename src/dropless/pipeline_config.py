@@ -13,12 +13,8 @@ Placement of the S = pp_size x stages_per_rank stages on pp ranks:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from .configtree import _fail
-
-if TYPE_CHECKING:
-    from .config import ModelConfig, RunConfig
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 MULTI = ("interleaved_1f1b", "zero_bubble", "zbv")  # schedules that take a list of stages per rank
@@ -85,7 +81,7 @@ class PipelineSpec:
         return [pp_rank + v * self.pp_size for v in range(self.stages_per_rank)]
 
 
-def check_stage_model(spec: PipelineSpec, model: "ModelConfig") -> None:
+def check_stage_model(spec: PipelineSpec, model) -> None:  # noqa: ANN001  (ModelConfig: config.py imports this)
     """The model under stages: enough blocks, and what stages cannot run yet."""
     spec.check_model(model.n_layers)
     if model.mtp_depth:
@@ -96,7 +92,7 @@ def check_stage_model(spec: PipelineSpec, model: "ModelConfig") -> None:
               "token ids at every MoE layer, which later stages do not receive")
 
 
-def check_pipeline_run(cfg: "RunConfig") -> None:
+def check_pipeline_run(cfg) -> None:  # noqa: ANN001  (RunConfig: config.py imports this)
     """A run with pipeline stages (parallel.pp_size > 1): the model and the batch fit the spec, and
     the trainer features that do not run under stages yet are refused by name, before anything
     starts (docs/parallelism.md, "Limits")."""

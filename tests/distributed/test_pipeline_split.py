@@ -98,3 +98,13 @@ def test_stages_refuse(override, field):
         model = MoEModel(cfg)
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         check_model(PipelineSpec(2), model)
+
+
+def test_a_pipelined_config_at_pp_size_1_keeps_its_other_fields():
+    """A pipelined run resumed in one process (`--set parallel.pp_size=1`): the split and the schedule
+    it was trained with no longer apply, and are not refused."""
+    cfg = load_config(None, ["parallel.pp_size=1", "parallel.pp_schedule=zbv", "parallel.pp_stages_per_rank=2",
+                             "parallel.pp_layers=[1,1,1,1]"])
+    assert cfg.parallel.pp_size == 1
+    with pytest.raises(ValueError, match=r"parallel\.pp_layers=\[1, 1, 1, 1\]: lists 4 stages"):
+        load_config(None, ["parallel.pp_size=2", "parallel.pp_layers=[1,1,1,1]"])

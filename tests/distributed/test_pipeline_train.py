@@ -132,3 +132,17 @@ def test_bad_pipelines_are_refused_before_anything_is_written(argv, message, tmp
     assert run.main(["--run-dir", str(tmp_path / "run"), *sets, *argv]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+ZBV = ("parallel.pp_size=2", "parallel.pp_schedule=zbv", "parallel.pp_stages_per_rank=2", "parallel.pp_microbatches=2")
+
+
+@pytest.mark.slow
+def test_zbv_resumes_with_other_parameter_groups_per_rank(tmp_path: Path) -> None:
+    """zbv: rank 0 holds the first and the last stage, rank 1 the two middle ones, so their optimizer
+    parameter groups differ in size; a resume loads each rank's state by name into its own groups."""
+    run = tmp_path / "zbv"
+    run_world(_train, 2, tmp_path, run, ZBV, False)
+    c = _from_step3(run, tmp_path / "zbv_resumed")
+    run_world(_train, 2, tmp_path, c, ZBV, True)
+    _close(rows(c, "loss")[-3:], rows(run, "loss")[-3:], "loss", PARALLEL_TRAIN_LOSS, "zbv")

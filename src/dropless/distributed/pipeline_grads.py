@@ -10,16 +10,11 @@ ep (they carry every ep rank's loss gradient), the clip factor clip_grad_norm_'s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..pipeline_config import PipelineSpec
-
-if TYPE_CHECKING:
-    from .pipeline import Pipeline
 
 
 def tie_group(spec: PipelineSpec) -> dist.ProcessGroup | None:
@@ -41,7 +36,7 @@ def tie_group(spec: PipelineSpec) -> dist.ProcessGroup | None:
 
 
 @torch.no_grad()
-def sync_tied_grads(pipe: "Pipeline") -> None:
+def sync_tied_grads(pipe) -> None:  # noqa: ANN001  (a pipeline.Pipeline, which imports this module)
     """The tied embedding's gradient summed over the first and the last stage (module note)."""
     if pipe.tied_group is None:
         return
@@ -53,7 +48,7 @@ def sync_tied_grads(pipe: "Pipeline") -> None:
 
 
 @torch.no_grad()
-def clip_grad_norm_(pipe: "Pipeline", max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(pipe, max_norm: float) -> torch.Tensor:  # noqa: ANN001  (a pipeline.Pipeline)
     """The global gradient norm over every rank's shards, and the gradients scaled to `max_norm`
     when it is > 0 (clip_grad_norm_'s rule); returns the norm. As parallelize.finish_grads_: the
     expert gradients carry every ep rank's loss gradient, so they are divided by ep (in the norm

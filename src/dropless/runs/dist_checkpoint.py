@@ -41,6 +41,7 @@ accumulators are per rank: `gather_health` collects them for trainer.pt, and
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 from collections.abc import Sequence
@@ -182,7 +183,13 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *
             _restore_settings(optimizer, settings)
         return state
     state = _state_dicts(model, optimizer if optimizer_state else None, experts, meshes)
+    # The param groups are bytes DCP keeps once (rank 0's). Under pipeline stages each rank's groups
+    # list its own stages' parameters, so every rank keeps its own: nothing in them is state (the
+    # settings are the built ones, below; the per-parameter state is loaded by name).
+    own_groups = copy.deepcopy(state["optim"]["param_groups"]) if "optim" in state else None  # (load writes in place)
     _dcp(dcp.load, state, Path(path), meshes is not None)
+    if own_groups is not None:
+        state["optim"]["param_groups"] = own_groups
     model_sd, optim_sd = state["model"], state.get("optim")
     if meshes is not None:
         model_sd, optim_sd = _convert(model_sd, optim_sd, experts, lambda t: _to_local(t, meshes))
