@@ -17,7 +17,7 @@ import torch
 from dropless.distributed import ep_replicas as rep
 from dropless.expert_slots import ExpertSlots
 from dropless.model import MoEModel
-from dropless.plan.model import ep_rows
+from dropless.plan.ep_buffers import ep_rows
 from dropless.runs import packed
 from dropless.data.routing_record import RoutingRecord
 from dropless.serve.serving import serving_top_k

@@ -130,7 +130,7 @@ def test_cli_table_json_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture
 
 def test_micro_batch_tokens_flag() -> None:
     args = cli.parser().parse_args(["tiny", "--micro-batch-tokens", "1024"])
-    cfg, _, _ = cli.build(args)
+    cfg, _ = cli.build(args)
     assert cfg.train.batch_size * cfg.train.seq_len == 1024
 
 
@@ -149,19 +149,6 @@ def test_world_two_expert_parallel_components() -> None:
         assert getattr(p, comp) == measured[comp], comp
     assert abs(p.ep_buffers / measured["ep_buffers"] - 1) < 0.001
     assert abs(p.activations / measured["activations"] - 1) < 0.02, (p.activations, measured["activations"])
-
-
-def test_pipeline_fold_is_one_heavy_stage() -> None:
-    """--pipeline P: ceil(n_layers / P) blocks (MoE ones first) on world / P ranks, the blocks'
-    activations of P micro-batches and the head's of one."""
-    cfg = small("model.n_layers=5", "model.n_dense_layers=1")
-    folded = cli.planner_for(2)(cfg, 4)
-    stage = cli.stage_config(cfg, 2)
-    assert (stage.model.n_layers, stage.model.n_dense_layers) == (3, 0)
-    alone = plan(stage, 2)
-    a = alone.activation_detail
-    assert folded.world == 2 and folded.params == alone.params
-    assert folded.activations == 2 * (a.total - a.head) + a.head
 
 
 @pytest.mark.parametrize("dtype,offload", [

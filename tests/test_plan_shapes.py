@@ -91,6 +91,10 @@ PRESET_TENSORS = [
     ("plan/qwen3_30b_a3b", "blocks.0.attn.out.weight", (2048, 4096)),
     ("plan/qwen3_30b_a3b", "blocks.0.attn.q_norm.weight", (128,)),  # self_attn.q_norm
     ("plan/qwen3_30b_a3b", "blocks.0.ffn.experts.w_down_EFD", (128, 768, 2048)),  # 128 x down_proj [2048, 768]
+    # Qwen3-235B-A22B: q_proj [8192, 4096], k_proj and v_proj [512, 4096], o_proj [4096, 8192]
+    ("plan/qwen3_235b_a22b", "blocks.0.attn.qkv.weight", (8192 + 2 * 512, 4096)),
+    ("plan/qwen3_235b_a22b", "blocks.0.attn.out.weight", (4096, 8192)),
+    ("plan/qwen3_235b_a22b", "blocks.93.ffn.experts.w_down_EFD", (128, 1536, 4096)),  # 128 x down_proj [4096, 1536]
     # DeepSeek-V3: q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj of a layer
     ("plan/deepseek_v3", "blocks.3.attn.q_a.weight", (1536, 7168)),
     ("plan/deepseek_v3", "blocks.3.attn.q_b.weight", (128 * 192, 1536)),
@@ -102,12 +106,13 @@ PRESET_TENSORS = [
 ]
 
 
-@pytest.mark.parametrize("preset", ["plan/qwen3_30b_a3b", "plan/deepseek_v3"])
+@pytest.mark.parametrize("preset", ["plan/qwen3_30b_a3b", "plan/deepseek_v3", "plan/qwen3_235b_a22b"])
 def test_plan_presets_are_the_published_models_and_plan(preset: str) -> None:
     """The recipes' models have the published checkpoints' attention and expert tensors (Qwen3's
     128-wide heads and grouped keys/values, DeepSeek-V3's latent attention), and plan at their
-    published layouts (Qwen3: EP 16 on 16 ranks, which ran on 80 GB devices; DeepSeek-V3: EP 64,
-    16 pipeline stages on 2048 ranks)."""
+    published layouts (Qwen3-30B-A3B: EP 16 on 16 ranks, which ran on 80 GB devices; DeepSeek-V3:
+    EP 64, 16 pipeline ranks of 2 stages on 2048; Qwen3-235B-A22B: EP 8, 8 pipeline ranks of 4
+    stages on 64)."""
     cfg = load_config(preset_path(preset))
     shapes = dict((n, tuple(p.shape)) for n, p in _meta(cfg).named_parameters())
     for name, param, shape in PRESET_TENSORS:
@@ -116,8 +121,12 @@ def test_plan_presets_are_the_published_models_and_plan(preset: str) -> None:
     if preset == "plan/qwen3_30b_a3b":
         p = plan(cfg, 16)
         assert p.peak <= 80 * 10**9
+    elif preset == "plan/deepseek_v3":
+        p = plan(cfg, 2048)
+        assert (p.pipeline, cfg.parallel.pipeline.num_stages) == (16, 32)
     else:
-        p = cli.planner_for(16)(cfg, 2048)
+        p = plan(cfg, 64)
+        assert (p.pipeline, cfg.parallel.pipeline.num_stages) == (8, 32)
     assert p.params > 0 and p.activation_detail.moe_block > 0
 
 
@@ -185,7 +194,7 @@ def test_latent_ep_buffers_carry_latent_rows(dtype: str) -> None:
     (["tiny", "--world", "3", "--set", "parallel.ep_size=2"], ["--world 3", "parallel.ep_size=2"]),
     (["no_such_preset"], ["CONFIG 'no_such_preset'", "plan/deepseek_v3"]),
     (["tiny", "--device-memory=-5GiB"], ["--device-memory '-5GiB'"]),
-    (["tiny", "--pipeline", "8", "--world", "8"], ["--pipeline 8", "model.n_layers=4"]),
+    (["tiny", "--pipeline", "8", "--world", "8"], ["--pipeline 8", "parallel.pp_size", "model.n_layers=4"]),
     (["tiny", "--json", "{tmp}/no_such_folder/plan.json"], ["--json", "folder does not exist"]),
 ])
 def test_cli_refuses_bad_input_naming_the_field(tmp_path: Path, capsys: pytest.CaptureFixture[str],

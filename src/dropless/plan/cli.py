@@ -10,20 +10,16 @@ predicted peak (suggest.py). `--json` writes the same as one object. The host by
 `model.offload` holds are a component of their own (`offload_host`), not in the device peak.
 
 `--micro-batch-tokens N` sets the tokens per micro-batch per rank (train.batch_size = N / seq_len).
-`--pipeline P` is planner-only: dropless has no pipeline parallelism; for a published recipe that
-uses it, the plan is folded (recipes in docs/planner.md): one stage of ceil(n_layers / P) blocks, all
-MoE where the model has that many (the heaviest stage), on world / P ranks (FSDP and EP inside the
-stage), with the activations of P micro-batches alive (1F1B's first stage keeps P) and the
-embedding, head and loss counted on it too, which only the end stages hold: an upper bound for a
-1F1B schedule. Interleaved (virtual) stages and DualPipe keep more (DualPipe: P + 1 micro-batches and
-two copies of the parameters); the fold does not model them.
+`--pipeline P` is `--set parallel.pp_size=P`: pipeline stages, planned rank by rank (model.py,
+pipeline.py: each rank's stages, its schedule's micro-batches in flight, the embedding on the first
+stage and the head and loss on the last); the table is the rank with the highest peak, and a line
+per pipeline rank follows it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import sys
 from dataclasses import replace
@@ -31,7 +27,7 @@ from pathlib import Path
 
 from .. import atomic
 from ..config import RunConfig, load_config
-from .model import COMPONENTS, Plan, plan, with_overrides
+from .model import COMPONENTS, Plan, plan, plan_ranks, with_overrides
 from .suggest import Suggestion, suggest
 
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -53,26 +49,6 @@ def parse_bytes(flag: str, text: str) -> int:
     return int(value)
 
 
-def stage_config(cfg: RunConfig, pipeline: int) -> RunConfig:
-    """The heaviest pipeline stage's model (module note): ceil(n_layers / P) blocks, MoE blocks as
-    far as the model has them (a middle stage), the embedding, head and loss kept on it."""
-    m = cfg.model
-    n = math.ceil(m.n_layers / pipeline)
-    # the n-block window of the layer pattern with the most MoE blocks
-    ids = set(m.moe_layer_ids)
-    start = max(range(m.n_layers - n + 1), key=lambda s: len(ids & set(range(s, s + n))))
-    moe = [i - start for i in sorted(ids) if start <= i < start + n]
-    dense = moe[0] if moe else n
-    freq = 1 if moe == list(range(dense, n)) else moe  # a prefix then MoE: today's field value
-    return replace(cfg, model=replace(m, n_layers=n, n_dense_layers=dense, moe_layer_freq=freq))
-
-
-def planner_for(pipeline: int):  # noqa: ANN201
-    if pipeline == 1:
-        return plan
-    return lambda c, w: plan(stage_config(c, pipeline), w // pipeline, pipeline)
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dropless plan", description="Predict per-rank training memory.")
     p.add_argument("config", help="preset name or TOML file (as dropless train --config)")
@@ -82,8 +58,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device-memory", default="80GiB", help="memory of one device (default 80GiB)")
     p.add_argument("--micro-batch-tokens", type=int, default=None,
                    help="tokens per micro-batch per rank (sets train.batch_size = N / train.seq_len)")
-    p.add_argument("--pipeline", type=int, default=1,
-                   help="planner-only: fold a pipeline-parallel recipe's P stages (module note)")
+    p.add_argument("--pipeline", type=int, default=None,
+                   help="pipeline ranks: the same as --set parallel.pp_size=P (module note)")
     p.add_argument("--json", default=None, help="also write the plan as JSON to this file")
     return p
 
@@ -93,7 +69,7 @@ def build(args: argparse.Namespace) -> tuple[RunConfig, int, int]:
     device = parse_bytes("--device-memory", args.device_memory)
     if args.world < 1:
         raise ValueError(f"--world {args.world}: must be >= 1")
-    if args.pipeline < 1 or args.world % args.pipeline:
+    if args.pipeline is not None and (args.pipeline < 1 or args.world % args.pipeline):
         raise ValueError(f"--pipeline {args.pipeline}: must be >= 1 and divide --world {args.world}")
     if args.json and not Path(args.json).resolve().parent.is_dir():  # refused before the plan, not after
         raise ValueError(f"--json {args.json}: its folder does not exist")
@@ -105,31 +81,49 @@ def build(args: argparse.Namespace) -> tuple[RunConfig, int, int]:
             recipes = sorted(f"plan/{q.stem}" for q in (PRESETS / "plan").glob("*.toml"))
             msg += f"; plan recipes: {', '.join(recipes)}"
         raise type(e)(msg) from None
-    cfg = load_config(path, args.overrides)
-    if args.pipeline > cfg.model.n_layers:
-        raise ValueError(f"--pipeline {args.pipeline}: more stages than model.n_layers={cfg.model.n_layers}")
+    pipeline = [] if args.pipeline is None else [f"parallel.pp_size={args.pipeline}"]
+    try:
+        cfg = load_config(path, [*args.overrides, *pipeline])
+    except ValueError as e:
+        if pipeline and "parallel.pp_size" in str(e):  # say which flag set it
+            raise ValueError(f"--pipeline {args.pipeline}: {e}") from None
+        raise
     if args.micro_batch_tokens is not None:
         n, s = args.micro_batch_tokens, cfg.train.seq_len
         if n < s or n % s:
             raise ValueError(f"--micro-batch-tokens {n}: must be a positive multiple of train.seq_len={s}")
         cfg = with_overrides(cfg, [f"train.batch_size={n // s}"])
-    if (args.world // args.pipeline) % cfg.parallel.ep_size:
-        raise ValueError(f"--world {args.world}: parallel.ep_size={cfg.parallel.ep_size} must divide the "
-                         f"ranks of a stage ({args.world // args.pipeline})")
-    return cfg, device, args.pipeline
+    pp, ep = cfg.parallel.pp_size, cfg.parallel.ep_size
+    if args.world % pp or (args.world // pp) % ep:
+        raise ValueError(f"--world {args.world}: must be a multiple of parallel.ep_size={ep}"
+                         + (f" x parallel.pp_size={pp}" if pp > 1 else ""))
+    return cfg, device
 
 
 def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / GIB:,.2f}"
 
 
+def _pipeline_lines(cfg: RunConfig, p: Plan, ranks: list[Plan], device: int) -> list[str]:
+    spec = cfg.parallel.pipeline
+    lines = [f"pipeline: {spec.pp_size} ranks, {spec.num_stages} stages, schedule {spec.schedule}, "
+             f"{spec.microbatches} micro-batches per call; the table is pp rank {p.pp_rank} (the highest peak)",
+             f"{'pp rank':>7}  {'stages':<10} {'blocks':>6}  {'in flight (stage: micro-batches)':<34} "
+             f"{'activations GiB':>15} {'peak GiB':>9}"]
+    for r in ranks:
+        flight = ", ".join(f"{s}: {n}" for s, n in r.in_flight)
+        lines.append(f"{r.pp_rank:>7}  {','.join(map(str, r.stages)):<10} {r.blocks:>6}  {flight:<34} "
+                     f"{_gib(r.activations):>15} {_gib(r.peak):>9}{'' if r.peak <= device else '  does NOT fit'}")
+    return lines
+
+
 def report(name: str, cfg: RunConfig, world: int, device: int, p: Plan, shown: list[Suggestion],
-           combined: Suggestion | None) -> str:
+           combined: Suggestion | None, ranks: list[Plan] = ()) -> str:
     a = p.activation_detail
-    lines = [f"dropless plan: {name}, world {world} (ep {p.ep_size}, {p.world // p.ep_size} expert-data-"
-             f"parallel), {p.tokens} tokens per micro-batch per rank, {'bf16' if p.bf16 else 'fp32'}"
-             + (f", folded pipeline {p.pipeline} (one stage: {cfg.model.n_layers} -> "
-                f"{math.ceil(cfg.model.n_layers / p.pipeline)} blocks on {p.world} ranks)" if p.pipeline > 1 else ""),
+    pp = cfg.parallel.pp_size
+    lines = [f"dropless plan: {name}, world {world} (" + (f"pp {pp} x " if pp > 1 else "")
+             + f"ep {p.ep_size}, {world // pp // p.ep_size} expert-data-parallel), {p.tokens} tokens per "
+             f"micro-batch per rank, {'bf16' if p.bf16 else 'fp32'}",
              "", f"{'component':<13} {'bytes per rank':>18} {'GiB':>10}"]
     for c in COMPONENTS:
         note = "  host memory, not in the peak" if c == "offload_host" else ""
@@ -137,14 +131,15 @@ def report(name: str, cfg: RunConfig, world: int, device: int, p: Plan, shown: l
     lines.append(f"{'peak':<13} {p.peak:>18,} {_gib(p.peak):>10}")
     lines += ["", f"activations per micro-batch: head {a.head:,} B; dense block {a.dense_block:,} B x {a.n_dense}; "
               f"MoE block {a.moe_block:,} B x {a.n_moe}; {a.per_token:,.0f} B/token"
-              + ("; blocks measured one by one (train.lora), the largest of each kind shown" if a.per_block else "")
-              + (f"; x {p.pipeline} micro-batches in flight" if p.pipeline > 1 else ""),
+              + ("; blocks measured one by one (train.lora), the largest of each kind shown" if a.per_block else ""),
               f"recompute: {cfg.model.recompute or 'none'}; offload: {cfg.model.offload or 'none'}; "
               f"optimizer: {cfg.train.optimizer}"]
     lo = cfg.train.lora
     if lo.enabled:
         lines.append(f"train.lora: rank {lo.rank}, base {lo.base}: params = {p.params - p.frozen:,} B trainable "
                      f"(fp32; grads and optimizer state for these only) + {p.frozen:,} B frozen base")
+    if ranks:
+        lines += ["", *_pipeline_lines(cfg, p, ranks, device)]
     fits = p.peak <= device
     lines.append(f"device memory {device:,} B ({_gib(device)} GiB): {'fits' if fits else 'does NOT fit'} "
                  f"(peak {100 * p.peak / device:.1f}%)")
@@ -167,19 +162,19 @@ def report(name: str, cfg: RunConfig, world: int, device: int, p: Plan, shown: l
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        cfg, device, pipeline = build(args)
-        planner = planner_for(pipeline)
-        p = planner(cfg, args.world)
+        cfg, device = build(args)
+        ranks = plan_ranks(cfg, args.world) if cfg.parallel.pp_size > 1 else []
+        p = max(ranks, key=lambda r: r.peak) if ranks else plan(cfg, args.world)
         shown, combined = [], None
         if p.peak > 0.9 * device:
-            shown, combined = suggest(cfg, args.world, device, planner, args.world // pipeline)
+            shown, combined = suggest(cfg, args.world, device)
     except (ValueError, FileNotFoundError) as e:
         print(f"dropless plan: error: {e}", file=sys.stderr)
         return 2
-    print(report(args.config, cfg, args.world, device, p, shown, combined))
+    print(report(args.config, cfg, args.world, device, p, shown, combined, ranks))
     if args.json:
         data = {"config": args.config, "world": args.world, "device_memory": device, "fits": p.peak <= device,
-                "overrides": args.overrides, "plan": p.as_dict(),
+                "overrides": args.overrides, "plan": p.as_dict(), "pipeline_ranks": [r.as_dict() for r in ranks],
                 "suggestions": [vars(s) for s in shown], "combined": vars(combined) if combined else None}
         atomic.write_text(args.json, json.dumps(data, indent=1, default=list))
     return 0

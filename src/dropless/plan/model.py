@@ -24,9 +24,16 @@ What each component is (the layout is distributed/parallelize.py's: EP, then FSD
   (`adamw_bf16`, 4 B), plus one fp32 step counter per parameter tensor. `muon` is counted as 8 B, an
   upper bound: its matrices hold one fp32 momentum (4 B), only its AdamW parameters hold two.
 - activations: activations.py (measured on fake tensors), times the micro-batches alive at once: 1
-  here (gradient accumulation runs each micro-batch's backward before the next forward; dropless has
-  no pipeline). With `model.offload` what stays on the device: the offloaded scopes' saved tensors
-  are in offload_host.
+  without pipeline stages (gradient accumulation runs each micro-batch's backward before the next
+  forward). With `model.offload` what stays on the device: the offloaded scopes' saved tensors are
+  in offload_host.
+- Pipeline stages (parallel.pp_size > 1; pipeline.py says what each rank holds): every rank is
+  planned on its own, its stages' modules sharded over the stage's world / pp ranks as above, its
+  activations the peak of its schedule's micro-batches in flight (each micro-batch of
+  train.batch_size / pp_microbatches rows), the loss's gradient on the last stage only, every
+  gradient alive (the micro-batches accumulate), and `pp_buffers`: torch's receive buffers. The plan
+  is the rank with the highest peak; `plan_ranks` gives them all. A stage of one rank is the plain
+  one-process layout (no FSDP, no EP dispatcher: distributed/pipeline.py).
 - ep_buffers: the all-to-all buffers of one MoE layer's forward (send and receive of the dispatch,
   its routing weights and counts, and the combine): transient, one layer at a time, so counted once.
   Any run of W > 1 has them, ep_size 1 included (parallelize.py gives every MoE layer an EP
@@ -59,18 +66,17 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..config import RunConfig
-from ..distributed.ep import AUTO_START_FACTOR
-from ..distributed.ep_plan import link_capacity
-from ..expert_slots import ExpertSlots
 from ..config import apply_overrides
 from ..layers import frozen_base
 from ..model import MoEModel
-from ..ops import quant_gemm
 from ..ops.head_loss import CHUNK_TOKENS
+from . import pipeline
 from .activations import ActivationBytes, activation_bytes
+from .ep_buffers import ep_buffer_bytes, ep_rows
+from .pipeline import RankModules
 
-COMPONENTS = ("params", "grads", "optimizer", "activations", "ep_buffers", "fsdp_gather", "loss_grad",
-              "offload_host")
+COMPONENTS = ("params", "grads", "optimizer", "activations", "ep_buffers", "pp_buffers", "fsdp_gather",
+              "loss_grad", "offload_host")
 DEVICE_COMPONENTS = COMPONENTS[:-1]  # offload_host is host memory: not in the device peak
 EXPERT_PARAMS = ("w_gate_up_EDF", "w_down_EFD")
 MOMENT_BYTES = {"adamw": 8, "adamw_bf16": 4, "muon": 8}  # muon: an upper bound (module note)
@@ -93,9 +99,14 @@ class Plan:
     loss_grad: int
     peak: int
     activation_detail: ActivationBytes
-    pipeline: int = 1  # planner-only folding of a pipeline-parallel recipe (plan/cli.py); 1 in dropless
+    pipeline: int = 1  # parallel.pp_size
     offload_host: int = 0  # host bytes model.offload holds (not in peak)
     frozen: int = 0  # of params: the frozen base of a LoRA run, as held (module note)
+    pp_buffers: int = 0  # torch's pipeline receive buffers (pipeline.py)
+    pp_rank: int = 0  # which pipeline rank this plan is (the busiest by peak, from `plan`)
+    stages: tuple[int, ...] = ()  # its stages
+    blocks: int = 0  # the blocks of its stages
+    in_flight: tuple[tuple[int, int], ...] = ()  # (stage, micro-batches alive) at its peak
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -119,10 +130,11 @@ def _bytes(p: torch.Tensor) -> int:
     return p.numel() * p.element_size()
 
 
-def shard_elements(cfg: RunConfig, world: int, model: MoEModel | None = None) -> dict[str, int]:
+def shard_elements(cfg: RunConfig, world: int, model: MoEModel | RankModules | None = None) -> dict[str, int]:
     """Trainable parameter elements on the busiest rank: {'dense', 'experts', 'tensors'}; the bytes
     of the frozen ones there ('frozen', a LoRA run's base as held); and the unsharded bytes of the
-    FSDP units for the gather ('root', 'block') (module note). `model`: cfg's model on the meta device."""
+    FSDP units for the gather ('root', 'block') (module note). `model`: cfg's model on the meta device,
+    or a pipeline rank's part of it (`world` then the ranks of its stage)."""
     ep = cfg.parallel.ep_size
     edp = world // ep
     base = cfg.train.lora.base if cfg.train.lora.enabled else "fp32"
@@ -151,7 +163,8 @@ def shard_elements(cfg: RunConfig, world: int, model: MoEModel | None = None) ->
         else:
             frozen += n * p.element_size()
     # a tied head weight is the embedding's parameter: once
-    root = sum({id(p): _bytes(p) for m in (model.embed, model.norm, model.head) for p in m.parameters()}.values())
+    root = sum({id(p): _bytes(p) for m in (model.embed, model.norm, model.head) if m is not None
+                for p in m.parameters()}.values())
     # a block's gathered units: its own parameters, with the experts cut to this rank's EP slice
     # (the experts and the router are units of their own, gathered while the block runs)
     def block_unit(b: torch.nn.Module) -> int:
@@ -164,97 +177,89 @@ def shard_elements(cfg: RunConfig, world: int, model: MoEModel | None = None) ->
             "block": max((block_unit(b) for b in model.blocks), default=0)}
 
 
-def ep_rows(cfg: RunConfig, tokens: int, world: int) -> tuple[int, int] | None:
-    """(L, R): local experts and expert GEMM rows per MoE layer under the EP dispatcher; None in one
-    process. Every distributed run has it, ep_size 1 included (parallelize.py installs an EP
-    dispatcher over a group of one, whose all-to-alls are copies)."""
-    p, m = cfg.parallel, cfg.model.moe
-    if world == 1:
-        return None
-    L = ExpertSlots.from_config(m).sharded(p.ep_size).local
-    align = math.lcm(m.align, quant_gemm.plan_align(m.precision, 1))  # layers/dispatch.py dispatch_align
-    if p.ep_mode == "buffered":
-        slots = p.ep_size * link_capacity(p.max_tokens_per_rank or tokens, m.top_k, L, p.ep_size,
-                                          buffer_factor(cfg))
-    else:
-        slots = tokens * m.top_k  # balanced: every rank receives what it sends
-    return L, slots + L * (align - 1)
+def _check_world(cfg: RunConfig, world: int) -> None:
+    p = cfg.parallel
+    if world < 1 or world % p.ep_size:
+        raise ValueError(f"--world {world}: must be a positive multiple of parallel.ep_size={p.ep_size}")
+    if world % (p.ep_size * p.pp_size):
+        raise ValueError(f"--world {world}: must be a multiple of parallel.pp_size x parallel.ep_size = "
+                         f"{p.pp_size} x {p.ep_size}")
 
 
-def buffer_factor(cfg: RunConfig) -> float:
-    """parallel.ragged_buffer_factor as a number: "auto" sizes the links from the demand seen at the
-    overflow checks (train/ep_buffers.py) and starts at AUTO_START_FACTOR, what the first steps hold."""
-    f = cfg.parallel.ragged_buffer_factor
-    return AUTO_START_FACTOR if f == "auto" else f
-
-
-def _expected_rank_hits(E: int, K: int, L: int) -> float:
-    """Expected number of EP ranks (of E/L) a token's K distinct uniform experts fall on."""
-    miss = math.comb(E - L, K) / math.comb(E, K) if E - L >= K else 0.0
-    return (E // L) * (1 - miss)
-
-
-def ep_buffer_bytes(cfg: RunConfig, tokens: int, bf16: bool, world: int,
-                    model: MoEModel | None = None) -> int:
-    """The all-to-all buffers of one MoE layer's forward on one rank (module note): each trip's
-    input and output storage, as distributed/comm.py allocates them; 0 in one process (see ep_rows:
-    any world > 1 has them, ep_size 1 included). `model`: cfg's model on the meta device."""
-    p, m = cfg.parallel, cfg.model.moe
-    layers = (model or _meta_model(cfg)).moe_layers()
-    if world == 1 or not layers:
-        return 0
-    slots = layers[0].slots.sharded(p.ep_size)
-    P, K, L = p.ep_size, m.top_k, slots.local
-    D = layers[0].experts.w_gate_up_EDF.shape[1]  # the rows the experts read (LatentMoE: latent rows)
-    # the dispatched rows: the normed residual stream (fp32 even under autocast), or the latent
-    # projection's output (a GEMM's: the compute dtype)
-    x_es = 4 if layers[0].latent is None else (2 if bf16 else 4)
-    y_es = 2 if bf16 else 4  # the experts' output rows: the compute dtype
-    counts = 2 * P * (L + 1) * 8
-    if p.ep_mode == "buffered":
-        C = link_capacity(p.max_tokens_per_rank or tokens, K, L, P, buffer_factor(cfg))
-        rows = P * min(C, p.max_tokens_per_rank or tokens) if p.dedup else P * C
-        pairs = P * C
-    else:
-        pairs = tokens * K
-        rows = round(tokens * _expected_rank_hits(slots.routed, K, L)) if p.dedup else pairs
-    meta_w = 8 if p.dedup else 4  # per pair: fp32 weight (+ int32 row index with de-dup)
-    dispatch = (2 * rows + 1) * D * x_es + (2 * pairs + 1) * meta_w
-    combine = (2 * rows + (0 if p.dedup else 1)) * D * y_es
-    return counts + dispatch + combine
-
-
-def plan(cfg: RunConfig, world: int, pipeline: int = 1) -> Plan:
-    """The per-rank bytes of training `cfg` on `world` ranks (module note). `pipeline` > 1 folds a
-    pipeline-parallel recipe (plan/cli.py): the caller passes one stage's layers and ranks; the
-    blocks' activations of `pipeline` micro-batches are alive (1F1B's first stage), the head's of
-    one (the last stage's): an upper bound for both end stages."""
-    ep = cfg.parallel.ep_size
-    if world < 1 or world % ep:
-        raise ValueError(f"--world {world}: must be a positive multiple of parallel.ep_size={ep}")
+def plan(cfg: RunConfig, world: int) -> Plan:
+    """The per-rank bytes of training `cfg` on `world` ranks (module note): the busiest rank's; with
+    pipeline stages the rank of the highest peak (`plan_ranks` for every rank)."""
+    if cfg.parallel.pp_size > 1:
+        return max(plan_ranks(cfg, world), key=lambda p: p.peak)
+    _check_world(cfg, world)
     t = cfg.train
     bf16 = t.dtype != "fp32"  # "auto" plans for an accelerator: bf16 (CUDA and AMX CPUs pick it)
     tokens = t.batch_size * t.seq_len
     model = _meta_model(cfg)
     el = shard_elements(cfg, world, model)
-    shards = el["dense"] + el["experts"]  # trainable elements
-    grads = 4 * shards
-    params = grads + el["frozen"]
-    optimizer = MOMENT_BYTES[t.optimizer] * shards + 4 * el["tensors"]
     act = activation_bytes(cfg.model, t.batch_size, t.seq_len, bf16, ep_rows(cfg, tokens, world), t.lora)
-    activations = (act.total - act.head) * pipeline + act.head  # the head's micro-batch: once
-    offload_host = act.host_total * pipeline  # blocks only: the head has no offload scope
-    ep_buf = ep_buffer_bytes(cfg, tokens, bf16, world, model)
-    fsdp = el["root"] + 2 * el["block"] if world > 1 else 0
     V = model.head.weight.shape[0]
     loss_grad = tokens * V * (4 + (2 if bf16 else 0))  # [T, V] logits' gradient
     if t.lora.enabled:  # the loss in chunks (ops/head_loss.py): one chunk's logits, softmax, its cast
         loss_grad = min(t.batch_size * t.seq_len, CHUNK_TOKENS) * V * (8 + (2 if bf16 else 0))
-    unit_grad = 4 * (el["dense"] + el["experts"]) // max(cfg.model.n_layers, 1)
-    live_grads = grads if t.grad_accum > 1 else min(grads, unit_grad)
-    peak = params + optimizer + activations + ep_buf + fsdp + loss_grad + live_grads
-    return Plan(world, ep, tokens, bf16, params, grads, optimizer, activations, ep_buf, fsdp, loss_grad,
-                peak, act, pipeline, offload_host, el["frozen"])
+    return _assemble(cfg, world, world, tokens, bf16, el, act.total, act.host_total, ep_buffer_bytes(cfg, tokens, bf16, world, model),
+                     0, loss_grad, t.grad_accum > 1, act)
+
+
+def _assemble(cfg: RunConfig, world: int, stage_world: int, tokens: int, bf16: bool, el: dict[str, int], activations: int,
+              offload_host: int, ep_buf: int, pp_buf: int, loss_grad: int, accumulates: bool,
+              act: ActivationBytes, **where: object) -> Plan:
+    """A Plan from one rank's parts (module note): its parameter shards `el` over `stage_world` ranks
+    (the world without pipeline stages), its activations and buffers."""
+    t = cfg.train
+    shards = el["dense"] + el["experts"]  # trainable elements
+    grads = 4 * shards
+    params = grads + el["frozen"]
+    optimizer = MOMENT_BYTES[t.optimizer] * shards + 4 * el["tensors"]
+    fsdp = el["root"] + 2 * el["block"] if stage_world > 1 else 0
+    unit_grad = 4 * shards // max(cfg.model.n_layers, 1)
+    live_grads = grads if accumulates else min(grads, unit_grad)
+    peak = params + optimizer + activations + ep_buf + pp_buf + fsdp + loss_grad + live_grads
+    return Plan(world, cfg.parallel.ep_size, tokens, bf16, params, grads, optimizer, activations, ep_buf, fsdp,
+                loss_grad, peak, act, cfg.parallel.pp_size, offload_host, el["frozen"], pp_buf, **where)
+
+
+def plan_ranks(cfg: RunConfig, world: int) -> list[Plan]:
+    """Every pipeline rank's plan (module note; pipeline.py): `world` / pp_size ranks run each
+    stage (FSDP2 and EP inside it), each micro-batch is train.batch_size / pp_microbatches rows."""
+    _check_world(cfg, world)
+    spec, t = cfg.parallel.pipeline, cfg.train
+    stage_world = world // spec.pp_size
+    bf16 = t.dtype != "fp32"
+    rows = t.batch_size // spec.microbatches
+    tokens = rows * t.seq_len
+    model = _meta_model(cfg)
+    act = activation_bytes(cfg.model, rows, t.seq_len, bf16, ep_rows(cfg, tokens, stage_world), t.lora)
+    shapes = pipeline.ranks(spec, model, t.seq_len)
+    last = spec.num_stages - 1
+    device, host = {}, {}  # per stage, one micro-batch
+    for shape in shapes:
+        for s, blocks in zip(shape.stages, shape.blocks):
+            moe = sum(model.blocks[i].is_moe for i in blocks)
+            device[s] = moe * act.moe_block + (len(blocks) - moe) * act.dense_block + (act.head if s == last else 0)
+            if s != last:  # its output, which torch's stage keeps until the micro-batch's backward
+                device[s] += rows * t.seq_len * model.cfg.d_model * 4
+            host[s] = moe * act.moe_host + (len(blocks) - moe) * act.dense_host
+    V, D = model.head.weight.shape[0], model.cfg.d_model
+    accumulates = spec.microbatches * t.grad_accum > 1
+    plans = []
+    for shape in shapes:
+        part = RankModules(model, shape)
+        el = shard_elements(cfg, stage_world, part)
+        peak_act, alive = pipeline.in_flight(spec, shape.pp_rank, {s: device[s] for s in shape.stages})
+        offload = sum(alive[s] * host[s] for s in shape.stages)
+        ep_buf = ep_buffer_bytes(cfg, tokens, bf16, stage_world, model) if part.moe_layers() else 0
+        pp_buf = pipeline.recv_buffer_bytes(spec, shape, rows, t.seq_len, D)
+        loss_grad = tokens * V * (4 + (2 if bf16 else 0)) if shape.last else 0
+        plans.append(_assemble(cfg, world, stage_world, tokens, bf16, el, peak_act, offload, ep_buf, pp_buf, loss_grad,
+                               accumulates, act, pp_rank=shape.pp_rank, stages=shape.stages,
+                               blocks=sum(map(len, shape.blocks)), in_flight=tuple(sorted(alive.items()))))
+    return plans
 
 
 def with_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:

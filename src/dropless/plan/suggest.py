@@ -5,6 +5,11 @@ The knobs (config fields, so a suggestion is a `--set` the user can paste):
 - expert parallelism: a larger `parallel.ep_size` (dividing the world and the experts);
 - micro-batch: `train.batch_size` halved with `train.grad_accum` doubled (same tokens per step);
 - bf16 moments: `train.optimizer="adamw_bf16"`;
+- pipeline stages: a larger `parallel.pp_size` (dividing the world; the layers spread over more
+  ranks), and under stages more `parallel.pp_microbatches` (smaller micro-batches: a schedule keeps
+  at most its count of them alive, 1F1B pp_size - rank) or fewer micro-batches per schedule call
+  with more calls (`pp_calls`: the same micro-batch and tokens per step; torch keeps a receive
+  buffer per micro-batch of a call, and GPipe all of a call's activations);
 - offload: `model.offload` = ["layer"], ["attn","norm","moe"], ["moe"], ["experts"], ["attn"],
   ["norm"]: the device peak re-planned with it and the host bytes it would hold (`Suggestion.host`).
 Offload and recompute of overlapping scopes are refused by the config (config.check_offload), so a
@@ -68,24 +73,50 @@ def _offload_knob(cfg: RunConfig, names: list[str]) -> list[str]:
     return out
 
 
+def _valid(cfg: RunConfig, overrides: list[str]) -> bool:
+    try:
+        with_overrides(cfg, overrides)
+    except ValueError:
+        return False
+    return True
+
+
 def knob_overrides(cfg: RunConfig, world: int) -> list[tuple[str, list[str]]]:
-    """The single-knob changes worth planning for this config; `world`: the ranks an EP group may
-    span (a pipeline stage's when folded)."""
+    """The single-knob changes worth planning for this config on `world` ranks (an EP group spans
+    at most a pipeline stage's world / pp_size)."""
     out: list[tuple[str, list[str]]] = []
+    par = cfg.parallel
+    stage_world = world // par.pp_size
     for modes in RECOMPUTE_CHOICES:
         if sorted(modes) != sorted(cfg.model.recompute):
             out.append(("recompute", _recompute_knob(cfg, modes)))
     for names in OFFLOAD_CHOICES:
         if sorted(names) != sorted(cfg.model.offload):
             out.append(("offload", _offload_knob(cfg, names)))
-    E, ep = ExpertSlots.from_config(cfg.model.moe).routed, cfg.parallel.ep_size
-    for new in range(ep + 1, world + 1):
-        if world % new == 0 and E % new == 0:
+    E, ep = ExpertSlots.from_config(cfg.model.moe).routed, par.ep_size
+    for new in range(ep + 1, stage_world + 1):
+        if stage_world % new == 0 and E % new == 0:
             out.append(("ep_size", [f"parallel.ep_size={new}"]))
     b, a = cfg.train.batch_size, cfg.train.grad_accum
     while b > 1:
         b, a = b // 2, a * 2
-        out.append(("micro_batch", [f"train.batch_size={b}", f"train.grad_accum={a}"]))
+        if b % par.pipeline.microbatches == 0:
+            out.append(("micro_batch", [f"train.batch_size={b}", f"train.grad_accum={a}"]))
+    if not par.pp_layers:
+        for new in range(par.pp_size + 1, world // ep + 1):
+            if world % (new * ep) == 0 and _valid(cfg, [f"parallel.pp_size={new}"]):
+                out.append(("pp_size", [f"parallel.pp_size={new}"]))
+    b, m, a = cfg.train.batch_size, par.pipeline.microbatches, cfg.train.grad_accum
+    while par.pp_size > 1 and m % 2 == 0 and b % 2 == 0:  # fewer micro-batches per call, more calls
+        b, m, a = b // 2, m // 2, a * 2
+        over = [f"train.batch_size={b}", f"parallel.pp_microbatches={m}", f"train.grad_accum={a}"]
+        if _valid(cfg, over):
+            out.append(("pp_calls", over))
+    m = par.pipeline.microbatches
+    while par.pp_size > 1 and cfg.train.batch_size % (2 * m) == 0:
+        m *= 2
+        if _valid(cfg, [f"parallel.pp_microbatches={m}"]):
+            out.append(("pp_microbatches", [f"parallel.pp_microbatches={m}"]))
     if cfg.train.optimizer != "adamw_bf16":
         out.append(("bf16_moments", ["train.optimizer=adamw_bf16"]))
     return out
@@ -102,15 +133,12 @@ def evaluate(cfg: RunConfig, world: int, device_bytes: int, knob: str, overrides
 
 
 def suggest(cfg: RunConfig, world: int, device_bytes: int,
-            planner: Callable[[RunConfig, int], Plan] = plan,
-            ep_world: int | None = None) -> tuple[list[Suggestion], Suggestion | None]:
+            planner: Callable[[RunConfig, int], Plan] = plan) -> tuple[list[Suggestion], Suggestion | None]:
     """Every single knob's predicted peak, and (when none fits alone) a greedy combination: apply the
     knob that lowers the peak most, then re-plan, up to four knobs, until it fits or no knob lowers
-    it. The combination's overrides are the last value of each field. `ep_world`: the ranks an EP
-    group may span (default `world`; a pipeline stage's ranks when folded)."""
-    ep_world = ep_world or world
+    it. The combination's overrides are the last value of each field."""
     singles = []
-    for knob, over in knob_overrides(cfg, ep_world):
+    for knob, over in knob_overrides(cfg, world):
         s, _ = evaluate(cfg, world, device_bytes, knob, over, planner=planner)
         singles.append(s)
     # micro-batch and EP size: listed up to the first that fits (the largest micro-batch, the smallest
@@ -120,14 +148,14 @@ def suggest(cfg: RunConfig, world: int, device_bytes: int,
         if s.knob in done:
             continue
         shown.append(s)
-        if s.fits and s.knob in ("micro_batch", "ep_size"):
+        if s.fits and s.knob in ("micro_batch", "ep_size", "pp_size", "pp_microbatches", "pp_calls"):
             done.add(s.knob)
     if any(s.fits for s in singles):
         return shown, None
     current, peak, applied = cfg, planner(cfg, world).peak, {}
     for _ in range(4):
         best = None
-        for knob, over in knob_overrides(current, ep_world):
+        for knob, over in knob_overrides(current, world):
             s, new = evaluate(current, world, device_bytes, knob, over, planner=planner)
             if s.peak is not None and s.peak < peak and (best is None or s.peak < best[0].peak):
                 best = (s, new)

@@ -40,13 +40,16 @@ in exact mode (FSDP shards each expert slice over 2 ranks).
 over a group of one); `--set` adds overrides to every case (e.g. a recompute mode). `--cases`,
 `--worlds`, `--set` and `--no-ep` shape the `grid` variant only.
 
-Variants (`--variants`, default all three):
+Variants (`--variants`, default all four):
 - `grid`: every case at every world, as above;
 - `offload`: fixed runs with `model.offload` (OFFLOAD_RUNS): the activations are what stays on the
   device, `offload_host` the bytes moved (the offloader's counter against the planner's);
 - `recompute_ep`: fixed runs with recompute under expert parallelism (RECOMPUTE_EP_RUNS: world 2 EP 2
   buffered and world 4 EP 2 exact, recompute `layer` and `moe`): a recomputed MoE layer keeps no
-  dispatched rows (it repeats its all-to-alls in the backward).
+  dispatched rows (it repeats its all-to-alls in the backward);
+- `pipeline`: pipeline stages (validate_pipeline.py PIPELINE_RUNS: pp 2 at world 2, pp 2 x ep 2 and
+  pp 2 x edp 2 at world 4, and each schedule at world 2), every pipeline rank against its own plan,
+  with the schedule's micro-batches in flight and torch's receive buffers (`pp_buffers`).
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ from ..config import RunConfig, load_config
 from ..distributed.worker_exit import end_worker
 from ..saved_bytes import AliveStorages
 from .model import plan
+from .validate_pipeline import PIPELINE_RUNS, pipeline_rows
 
 BENCH_SHAPE = ["model.n_layers=2", "model.n_dense_layers=1", "model.d_ff_dense=1024"]
 # name: (the preset it starts from, its overrides)
@@ -102,7 +106,8 @@ RECOMPUTE_EP_RUNS = [
     ("small", 2, ('model.recompute=["moe"]',)),
     ("tiny", 4, ('model.recompute=["moe"]',)),
 ]
-VARIANTS = ("grid", "offload", "recompute_ep")
+PIPELINED = "pipeline"  # a run's marker in place of its EP flag
+VARIANTS = ("grid", "offload", "recompute_ep", "pipeline")
 
 
 def case_config(case: str, world: int, dtype: str, extra: tuple[str, ...] = (), ep: bool = True) -> RunConfig:
@@ -236,7 +241,7 @@ def rows_for(case: str, world: int, dtype: str, steps: int, extra: tuple[str, ..
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dropless.plan.validate", description=__doc__.split("\n")[0])
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="grid, offload, recompute_ep (module note)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"{', '.join(VARIANTS)} (module note)")
     ap.add_argument("--cases", default="tiny,small,medium")
     ap.add_argument("--worlds", default="1,2,4")
     ap.add_argument("--steps", type=int, default=2)
@@ -261,22 +266,28 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--worlds: {w} is not one of {', '.join(map(str, WORLD_LAYOUT))}")
         if args.steps < 1:
             raise ValueError(f"--steps {args.steps}: must be >= 1")
-        runs: list[tuple[str, int, tuple[str, ...], bool]] = []
+        runs: list[tuple[str, int, tuple[str, ...], bool | str]] = []
         if "grid" in variants:
             runs += [(c, w, tuple(args.overrides), not args.no_ep) for c in cases for w in worlds]
         if "offload" in variants:
             runs += [(c, w, over, True) for c, w, over in OFFLOAD_RUNS]
         if "recompute_ep" in variants:
             runs += [(c, w, over, True) for c, w, over in RECOMPUTE_EP_RUNS]
+        if "pipeline" in variants:
+            runs += [(c, w, over, PIPELINED) for c, w, over in PIPELINE_RUNS]
         for c, w, over, ep in runs:
-            case_config(c, w, args.dtype, over, ep)  # refuse early
+            case_config(c, w, args.dtype, over, ep is True)  # refuse early
     except ValueError as e:
         print(f"dropless plan validate: error: {e}", file=sys.stderr)
         return 2
     from tqdm import tqdm
     rows: list[dict[str, Any]] = []
     for case, world, over, ep in tqdm(runs, desc="plan validate", file=sys.stderr):
-        rows += rows_for(case, world, args.dtype, args.steps, over, ep)
+        if ep is PIPELINED:
+            cfg = case_config(case, world, args.dtype, over, ep=False)
+            rows += pipeline_rows(cfg, case, world, args.dtype, args.steps, over)
+        else:
+            rows += rows_for(case, world, args.dtype, args.steps, over, ep)
     print(f"{'case':<7} {'world':>5} {'ep':>3} {'mode':<8} {'component':<12} {'predicted B':>14} "
           f"{'measured B':>14} {'ratio':>7}  set")
     for r in rows:
