@@ -1,5 +1,6 @@
-"""`dropless bench pipeline`: the bubble each pipeline schedule leaves, against the ideal, and its
-step time against no stages on the same processes.
+"""`dropless bench pipeline`: each pipeline schedule's bubble against the ideal, its step time against pp 1.
+
+Step time against pp 1 means against no stages on the same processes, on the same global batch.
 
     dropless bench pipeline [--nproc 4] [--pp N] [--config tiny] [--set a.b=v ...]
                             [--schedules gpipe,1f1b,zero_bubble:1,...] [--microbatches 4,8]
@@ -239,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="tiny", help="preset name or TOML file (default: tiny)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="a.b=v",
                    help="override a field in every variant (repeatable); the bench sets parallel.pp_*")
-    p.add_argument("--schedules", help="comma-separated NAME or NAME:V (V stages per rank); default: module note")
+    p.add_argument("--schedules", help="comma-separated NAME or NAME:V (V stages per rank); default: gpipe, 1f1b, "
+                   "interleaved_1f1b:2, zero_bubble:2 (:1 with fewer than 2 x pp blocks), zbv, where the blocks allow")
     p.add_argument("--microbatches", default="4,8", help="comma-separated micro-batches per batch (default 4,8)")
     p.add_argument("--steps", type=int, default=5, help="timed optimizer steps per variant (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per variant first (default 1)")
