@@ -48,6 +48,7 @@ BENCHMARKS = {
     "data-scale": "dropless.bench.data_scale",
     "lora": "dropless.bench.lora",
     "step": "dropless.bench.step",
+    "pipeline": "dropless.bench.pipeline",
 }
 
 

@@ -71,8 +71,12 @@ class PipelineSpec:
                   f"model.n_layers={n_layers}")
 
     def check_batch(self, batch_size: int) -> None:
+        """The batch's micro-batches: they divide it, and are enough for the schedule."""
         if batch_size % self.microbatches:
             _fail("parallel.pp_microbatches", self.microbatches, f"does not divide train.batch_size={batch_size}")
+        if self.schedule == "1f1b" and self.microbatches < self.pp_size:  # torch's Schedule1F1B refuses it
+            _fail("parallel.pp_microbatches", self.microbatches, f"with parallel.pp_schedule='1f1b' and "
+                  f"pp_size={self.pp_size}: 1F1B needs at least pp_size micro-batches (gpipe takes fewer)")
 
     def stages_of(self, pp_rank: int) -> list[int]:
         """The stage indices rank `pp_rank` of the pipeline runs, in its order (module note)."""

@@ -40,6 +40,10 @@ def test_spec_against_model_and_batch():
         PipelineSpec(2, layers=(2, 2)).check_model(5)
     with pytest.raises(ValueError, match=r"parallel\.pp_microbatches=3: does not divide train\.batch_size=4"):
         PipelineSpec(2, microbatches=3).check_batch(4)
+    # torch's Schedule1F1B needs a micro-batch per stage; gpipe runs fewer
+    with pytest.raises(ValueError, match=r"parallel\.pp_microbatches=2: with parallel\.pp_schedule='1f1b' and pp_size=4"):
+        PipelineSpec(4, "1f1b", 2).check_batch(4)
+    PipelineSpec(4, "gpipe", 2).check_batch(4)
     PipelineSpec(2, layers=(2, 3)).check_model(5)
     PipelineSpec(2, microbatches=2).check_batch(4)
 

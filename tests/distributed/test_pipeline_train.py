@@ -124,6 +124,8 @@ def test_packed_documents_through_stages(tmp_path: Path) -> None:
      "train.compile='blocks': with parallel.pp_size=2: not under pipeline stages yet"),
     (["--nproc", "2", "--set", "parallel.pp_size=2", "--set", "parallel.pp_microbatches=3"],
      "parallel.pp_microbatches=3: does not divide train.batch_size=4"),
+    (["--nproc", "4", "--set", "parallel.pp_size=4", "--set", "parallel.pp_microbatches=2"],
+     "parallel.pp_microbatches=2: with parallel.pp_schedule='1f1b' and pp_size=4: 1F1B needs at least"),
     (["--nproc", "2", "--set", "parallel.pp_size=2", "--set", "parallel.pp_layers=[1,1]"],
      "parallel.pp_layers=[1, 1]: covers 2 blocks; the model has model.n_layers=4"),
 ])
