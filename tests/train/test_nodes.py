@@ -77,9 +77,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_nodes(run_dir: Path, steps: int, resume: bool) -> None:
+def _two_nodes(run_dir: Path, steps: int, resume: bool, layout: tuple[str, ...]) -> None:
     port = _free_port()
-    sets = [a for o in TINY + ["parallel.ep_size=2", f"train.steps={steps}"] for a in ("--set", o)]
+    sets = [a for o in TINY + [*layout, f"train.steps={steps}"] for a in ("--set", o)]
     procs = []
     for rank in (0, 1):
         cmd = [sys.executable, "-m", "dropless.train", "--nnodes", "2", "--node-rank", str(rank), "--nproc", "2",
@@ -92,10 +92,14 @@ def _two_nodes(run_dir: Path, steps: int, resume: bool) -> None:
 
 
 @pytest.mark.slow
-def test_two_nodes_of_two_processes_train_and_resume(tmp_path) -> None:
+@pytest.mark.parametrize("layout", [("parallel.ep_size=2",), ("parallel.ep_size=2", "parallel.pp_size=2")],
+                         ids=["ep2", "pp2xep2"])
+def test_two_nodes_of_two_processes_train_and_resume(tmp_path, layout) -> None:
+    """EP inside each node; with pipeline stages the pipelines cross the nodes (the (pp, edp, ep)
+    mesh puts pp outermost)."""
     run_dir = tmp_path / "run"
-    _two_nodes(run_dir, 20, resume=False)
-    _two_nodes(run_dir, 24, resume=True)
+    _two_nodes(run_dir, 20, resume=False, layout=layout)
+    _two_nodes(run_dir, 24, resume=True, layout=layout)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == list(range(24))
     resumed = [r for r in rows if "resumed_from" in r]
