@@ -71,13 +71,22 @@ def check_ep_in_node(ep_size: int, world: int, per_node: int) -> None:
                          "an expert-parallel group would span two nodes")
 
 
+def check_layout(pp_size: int, ep_size: int, world: int, per_node: int) -> None:
+    """The mesh's sizes fit `world` ranks of `per_node` processes per node (a ValueError naming the
+    field): ep_size and pp_size x ep_size divide the world, and an ep group stays inside a node."""
+    if world % ep_size:
+        raise ValueError(f"parallel.ep_size={ep_size} does not divide the world size {world}")
+    if world % (pp_size * ep_size):
+        raise ValueError(f"parallel.pp_size={pp_size} x parallel.ep_size={ep_size} does not divide the world "
+                         f"size {world}")
+    check_ep_in_node(ep_size, world, per_node)
+
+
 def build_meshes(ep_size: int, device_type: str) -> Meshes:
     """The (edp, ep) mesh over the default group, on the trainer's device type ("cuda" or "cpu");
     ep_size must divide the world size."""
     world = dist.get_world_size()
-    if world % ep_size:
-        raise ValueError(f"parallel.ep_size={ep_size} does not divide the world size {world}")
-    check_ep_in_node(ep_size, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    check_layout(1, ep_size, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     dev = device_type
     mesh = init_device_mesh(dev, (world // ep_size, ep_size), mesh_dim_names=("edp", "ep"))
     dp = init_device_mesh(dev, (world,), mesh_dim_names=("dp",))
@@ -104,10 +113,7 @@ def build_pipeline_meshes(pp_size: int, ep_size: int, device_type: str) -> Pipel
     """The (pp, edp, ep) mesh over the default group: rank = (p * edp + i) * ep + j. pp_size x ep_size
     must divide the world size."""
     world = dist.get_world_size()
-    if world % (pp_size * ep_size):
-        raise ValueError(f"parallel.pp_size={pp_size} x parallel.ep_size={ep_size} does not divide the world "
-                         f"size {world}")
-    check_ep_in_node(ep_size, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    check_layout(pp_size, ep_size, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     dev, edp = device_type, world // (pp_size * ep_size)
     m3 = init_device_mesh(dev, (pp_size, edp, ep_size), mesh_dim_names=("pp", "edp", "ep"))
     # every rank builds the same global meshes (group creation is collective), then takes its slice

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from ..config import RunConfig, apply_overrides, from_dict, load_config, to_dict
-from ..distributed.mesh import check_ep_in_node, init_distributed, under_torchrun
+from ..distributed.mesh import check_layout, init_distributed, under_torchrun
 from ..runs.presets import DEFAULT_PRESET, preset_path
 from ..runs import checkpoint as ckpt
 from ..runs import resume
@@ -224,12 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             if cfg.train.compile == "step" and world > 1:  # (the Trainer refuses it too, per rank)
                 raise ValueError(f"train.compile='step' with --nproc {args.nproc}: the whole step compiles in one "
                                  "process; use train.compile=blocks under several processes")
-            if world % cfg.parallel.ep_size:
-                raise ValueError(f"parallel.ep_size={cfg.parallel.ep_size} does not divide the world size {world}")
-            if world % (cfg.parallel.ep_size * cfg.parallel.pp_size):
-                raise ValueError(f"parallel.pp_size={cfg.parallel.pp_size} x parallel.ep_size={cfg.parallel.ep_size} "
-                                 f"does not divide the world size {world}")
-            check_ep_in_node(cfg.parallel.ep_size, world, args.nproc)
+            check_layout(cfg.parallel.pp_size, cfg.parallel.ep_size, world, args.nproc)
             return launch(args, argv, run_dir)
         from ..device import resolve_device
 
