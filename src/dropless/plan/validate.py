@@ -56,21 +56,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 from .. import atomic
 from ..config import RunConfig, load_config
-from ..distributed.worker_exit import end_worker
 from ..saved_bytes import AliveStorages
+from .gloo_ranks import on_ranks
 from .model import plan
 from .validate_pipeline import PIPELINE_RUNS, pipeline_rows
 
@@ -200,27 +196,12 @@ def measure(cfg: RunConfig, steps: int, distributed: bool) -> dict[str, int]:
     return out
 
 
-def _worker(rank: int, world: int, store: str, cfg: RunConfig, steps: int, outdir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        m = measure(cfg, steps, distributed=True)
-        Path(outdir, f"rank{rank}.json").write_text(json.dumps(m))
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    end_worker()  # worker_exit.py: the trainer's meshes outlive destroy_process_group()
-
-
 def measured_max(cfg: RunConfig, world: int, steps: int) -> dict[str, int]:
     """The busiest rank's figure of each component (max over ranks); world > 1 spawns gloo ranks."""
     if world == 1:
         torch.set_num_threads(1)
         return measure(cfg, steps, distributed=False)
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), cfg, steps, tmp),
-                           nprocs=world, start_method="spawn")
-        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+    ranks = on_ranks(world, measure, cfg, steps, True)
     return {k: max(r[k] for r in ranks) for k in ranks[0]}
 
 

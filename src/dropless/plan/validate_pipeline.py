@@ -19,20 +19,15 @@ A pipeline rank's figure is the max over its stage's ranks; each is compared wit
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 from ..config import RunConfig
-from ..distributed.worker_exit import end_worker
 from ..saved_bytes import AliveStorages
+from .gloo_ranks import on_ranks
 from .model import plan_ranks
 
 MEASURED = ("params", "grads", "optimizer", "activations", "ep_buffers", "pp_buffers")
@@ -151,24 +146,9 @@ def measure_pipeline(cfg: RunConfig, steps: int) -> dict[str, int]:
     return out
 
 
-def _worker(rank: int, world: int, store: str, cfg: RunConfig, steps: int, outdir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        m = measure_pipeline(cfg, steps)
-        Path(outdir, f"rank{rank}.json").write_text(json.dumps(m))
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    end_worker()
-
-
 def measured_by_pp_rank(cfg: RunConfig, world: int, steps: int) -> dict[int, dict[str, int]]:
     """Each pipeline rank's figures: the max over the ranks of its stage."""
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), cfg, steps, tmp),
-                           nprocs=world, start_method="spawn")
-        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+    ranks = on_ranks(world, measure_pipeline, cfg, steps)
     out: dict[int, dict[str, int]] = {}
     for r in ranks:
         mine = out.setdefault(r["pp_rank"], {k: 0 for k in MEASURED})
