@@ -153,8 +153,9 @@ def _worker(rank: int, world: int, spec: PipelineSpec, ep: int, extra: tuple[str
         blocks = [nb for m in pipe.modules for nb in _moe_blocks(m.named_children()) if nb[0].startswith("blocks.")]
         blocks += [nb for m in pipe.modules for nb in _moe_blocks(m.named_children()) if nb[0].startswith("mtp.")]
         assert len(counts) == len(blocks), (len(counts), [n for n, _ in blocks])
+        rate = cfg.moe.balance.bias_update_rate
         for i, (n, b) in enumerate(blocks if cfg.moe.router.use_expert_bias else []):
-            b.ffn.router.set_bias(balance.bias_update(b.ffn.router.expert_bias, counts[i], cfg.moe.balance.bias_update_rate))
+            b.ffn.router.set_bias(balance.bias_update(b.ffn.router.expert_bias, counts[i], rate))
             assert_close(b.ffn.router.expert_bias, r["bias"][n], PIPELINE, f"step {step} bias {n}")
         val, _ = pipe.forward_only(_VAL[:, :-1], _VAL[:, 1:])  # every rank of the pipeline gets it
         assert abs(float(val) - r["val"]) <= PIPELINE.rtol * r["val"], (step, float(val), r["val"])
@@ -162,7 +163,8 @@ def _worker(rank: int, world: int, spec: PipelineSpec, ep: int, extra: tuple[str
 
 MTP_MOE = ("model.mtp_depth=1", "model.mtp_block=moe", "model.moe.balance.global_aux_loss_coeff=0",
            "model.moe.balance.seq_aux_loss_coeff=0.001")
-HASH = ("model.moe.router.strategy=hash", "model.moe.router.use_expert_bias=false", "model.moe.balance.bias_update_rate=0")
+HASH = ("model.moe.router.strategy=hash", "model.moe.router.use_expert_bias=false",
+        "model.moe.balance.bias_update_rate=0")
 
 CASES = {  # world, spec, ep_size, overrides
     "pp2-1f1b": (2, PipelineSpec(2, "1f1b", 2), 1, ()),

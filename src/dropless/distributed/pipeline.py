@@ -84,14 +84,16 @@ def _forward_only(schedule: pp_schedules._PipelineSchedule) -> pp_schedules._Pip
 
 
 def _whole_backward() -> Callable[[], None]:
-    """The deferred weight step of a stage whose backward runs whole (`PipelineStage`'s dw_builder:
-    its input-gradient step is then the full backward, and this runs in its weight step): nothing
-    left to do. The stage with the MTP modules takes it under the zero-bubble schedules, whose split
-    backward (torch's stage_backward_weight) walks from each weight's first nodes on the input's
-    path with retain_graph off, one weight group after another: a weight used on both sides of a
-    stretch of that path (the head, in the main logits after the MTP loss that rides on the hidden
-    states and in the MTP logits; a tied embedding, in the MTP input and the heads) walks the
-    stretch and frees what the other groups' walks need. The other stages keep the split."""
+    """The weight step of a stage whose backward runs whole: as `PipelineStage`'s dw_builder, the
+    stage's input-gradient step becomes its full backward and this, its deferred weight step, has
+    nothing left to do. The stage with the MTP modules needs it under the zero-bubble schedules.
+    Their split backward (torch's stage_backward_weight) computes the weight gradients one group of
+    weights at a time, each walk starting from where its weights meet the path from the stage's
+    input, with retain_graph off. The head meets that path twice, in the main logits and in the MTP
+    logits, and the first lies downstream of the second (the MTP loss rides on the hidden states
+    before the head); a tied embedding also meets it at the MTP input. So the head's walk runs
+    through the final norm and the MTP block and frees what the other groups' walks need (a
+    "backward through the graph a second time" error). Other stages keep the split."""
     return lambda: None
 
 
@@ -213,9 +215,10 @@ class Pipeline:
               seg_BS: torch.Tensor | None, losses: list | None) -> None:
         """One schedule call: training (`losses` a list) or the pre-pass (None). The first stage takes
         the tokens, the documents' ids, then (training with MTP) the targets (pipeline_stage.py)."""
-        args = ()
+        args: tuple[torch.Tensor, ...] = ()
         if self.has_first:
-            args = (x_BS, *((seg_BS,) if self.packed else ()), *((y_BS,) if self._with_targets(losses is not None) else ()))
+            args = (x_BS, *((seg_BS,) if self.packed else ()))
+            args += (y_BS,) if self._with_targets(losses is not None) else ()
         target = y_BS if self.has_last else None
         schedule.step(*args, target=target, losses=losses, return_outputs=False) if losses is not None \
             else schedule.eval(*args)

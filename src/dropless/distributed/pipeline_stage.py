@@ -43,12 +43,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..config import ModelConfig
 from ..expert_slots import ExpertSlots
 from ..layers import balance, doc_mask
 from ..layers.moe import MoEOutput, MoEStats
 from ..layers.mtp import mtp_loss
 from ..layers.rotary import rotary_at, rotary_tables
-from ..config import ModelConfig
 from ..model import MoEModel, balancing_loss
 
 
