@@ -185,7 +185,8 @@ PARALLEL_TRAIN_GRAD_NORM = 1e-4
 # 2e-7 relative apart at step 0, so every clipped gradient moves by that), FSDP and EP re-associate as
 # in PARALLEL_TRAIN_*, and from step 1 AdamW's per-element normalisation carries each weight's few-ulp
 # difference into the next gradients. The fp32 REFERENCE bound; measured worst, as a fraction of it:
-# 0.002 at step 0, 0.025 at step 1, 0.22 at step 2 (pp 2 x ep 2; zbv 0.20). The bias is bit-identical
+# 0.002 at step 0, 0.025 at step 1, 0.22 at step 2 (pp 2 x ep 2; zbv 0.20); the multi-token prediction,
+# hash routing and parallel-block cases within those (worst 0.16 at step 2, hash). The bias is bit-identical
 # (the sign rule on identical integer counts). A stage's aux loss missing, or read against local
 # counts, moves router gradients by ~1e-4 absolute: 20x the floor.
 PIPELINE = REFERENCE[torch.float32]

@@ -1,5 +1,6 @@
 """The pipeline's shape without processes: the spec's refusals, the balanced split (against brute
-force), the stage placement per schedule, what stages refuse in a model."""
+force; the MTP modules weighing on the last stage), the stage placement per schedule, what stages
+take and refuse in a model."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from dropless.config import load_config
 from dropless.distributed.pipeline import check_model
-from dropless.distributed.pipeline_split import block_cost, split_layers, stage_sizes
+from dropless.distributed.pipeline_split import block_cost, split_layers, stage_sizes, tail_cost
 from dropless.pipeline_config import PipelineSpec
 from dropless.model import MoEModel
 
@@ -94,14 +95,32 @@ def test_split_of_a_model_weighs_moe_blocks_and_head():
     assert stage_sizes(PipelineSpec(3, layers=(1, 2, 3)), blocks, 64, 0) == [1, 2, 3]
 
 
-@pytest.mark.parametrize("override, field", [("model.mtp_depth=1", "model.mtp_depth"),
-                                             ("model.moe.router.strategy=hash", "model.moe.router.strategy")])
-def test_stages_refuse(override, field):
-    cfg = load_config(None, [override]).model
+def test_the_mtp_modules_weigh_on_the_last_stage():
+    """The last stage pays the head and each MTP module (its block, its projection, the head again):
+    with two MoE-block modules the last stage holds fewer blocks than without them."""
+    base = ["model.n_layers=8", "model.n_dense_layers=0", "model.vocab_size=512", "model.mtp_block=moe",
+            "model.moe.balance.global_aux_loss_coeff=0"]
+    sizes = {}
+    for depth in (0, 2):
+        with torch.device("meta"):
+            model = MoEModel(load_config(None, [*base, f"model.mtp_depth={depth}"]).model)
+        head = model.head.weight.numel()
+        want = 2.0 * head + sum(block_cost(m.block, 64) + 2.0 * m.proj.weight.numel() + 2.0 * head for m in model.mtp)
+        assert tail_cost(head, list(model.mtp), 64) == want
+        sizes[depth] = stage_sizes(PipelineSpec(2), list(model.blocks), 64, head, list(model.mtp))
+    assert sizes[2][-1] < sizes[0][-1] and sum(sizes[2]) == 8, sizes
+
+
+@pytest.mark.parametrize("override", ["model.mtp_depth=1", "model.moe.router.strategy=hash"])
+def test_stages_take_what_reads_the_token_ids(override):
+    """Multi-token prediction and hash routing run under stages (the ids travel with the activations:
+    tests/distributed/test_pipeline.py); too few blocks is still refused by name."""
+    cfg = load_config(None, [override, "model.n_layers=2"]).model
     with torch.device("meta"):
         model = MoEModel(cfg)
-    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
-        check_model(PipelineSpec(2), model)
+    check_model(PipelineSpec(2), model)
+    with pytest.raises(ValueError, match=r"parallel\.pp_size=3: with parallel\.pp_stages_per_rank=1 that is 3 stages"):
+        check_model(PipelineSpec(3), model)
 
 
 def test_a_pipelined_config_at_pp_size_1_keeps_its_other_fields():

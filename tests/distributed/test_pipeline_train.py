@@ -1,6 +1,7 @@
 """`dropless train` with pipeline stages (parallel.pp_size=2, 2 gloo ranks) against one process: every
 logged loss, gradient norm and validation loss, the routing record of every layer, and checkpoints
-that resume across the layouts (pp 2 -> one process, one process -> pp 2).
+that resume across the layouts (pp 2 -> one process, one process -> pp 2); the same with
+multi-token prediction.
 
 One schedule call of a whole micro-batch (gpipe, pp_microbatches=1) computes each balancing loss on the
 rows one process computes it on, so the two runs are the same computation up to fp32 association
@@ -87,6 +88,38 @@ def test_pipeline_trains_like_one_process_and_resumes_across_layouts(tmp_path: P
         # after a resume that has or had stages is left out, never measured against another layer's ids
         first = json.loads((run / "routing.jsonl").read_text().splitlines()[0])
         assert first["step"] == 3 and [layer["flip_step"] for layer in first["layers"]] == [None] * 3, run.name
+
+
+# An MoE-block MTP module (its balancing losses, its bias from the training forwards' counts) with
+# untied embeddings (the last stage's embedding copy exists for the module alone)
+MTP = ("model.mtp_depth=1", "model.mtp_block=moe", "model.moe.balance.global_aux_loss_coeff=0",
+       "model.moe.balance.seq_aux_loss_coeff=0.001", "model.tie_embeddings=false")
+
+
+@pytest.mark.slow
+def test_mtp_through_stages_trains_like_one_process_and_resumes_across_layouts(tmp_path: Path) -> None:
+    """Multi-token prediction on the last stage through the trainer: every logged loss (the MTP loss
+    and the MTP block's balancing losses in `loss` and `moe_loss`, `mtp_loss` apart), the gradient
+    norm and the validation loss follow one process; pp 2's checkpoint (the MTP module and the
+    embedding's copy under the whole model's names) resumes in one process, and one process's at
+    pp 2, on the same losses."""
+    one = tmp_path / "one"
+    Trainer(cfg(*MTP), one).fit()
+    pp = tmp_path / "pp"
+    run_world(_train, 2, tmp_path, pp, (*PP, *MTP), False)
+    assert len(rows(pp, "mtp_loss")) == len(rows(one, "mtp_loss")) == 6
+    for key, tol in (("loss", PARALLEL_TRAIN_LOSS), ("ce_loss", PARALLEL_TRAIN_LOSS), ("mtp_loss", PARALLEL_TRAIN_LOSS),
+                     ("moe_loss", PARALLEL_TRAIN_GRAD_NORM), ("grad_norm", PARALLEL_TRAIN_GRAD_NORM),
+                     ("val_loss", PARALLEL_TRAIN_LOSS)):
+        _close(rows(pp, key), rows(one, key), key, tol)
+    a = _from_step3(pp, tmp_path / "pp_to_one")
+    Trainer(cfg(*MTP), a, resume=True).fit()
+    b = _from_step3(one, tmp_path / "one_to_pp")
+    run_world(_train, 2, tmp_path, b, (*PP, *MTP), True)
+    for run in (a, b):
+        for key in ("loss", "mtp_loss"):
+            _close(rows(run, key)[-3:], rows(one, key)[-3:], key, PARALLEL_TRAIN_LOSS, run.name)
+        _close(rows(run, "val_loss")[-1:], rows(one, "val_loss")[-1:], "val_loss", PARALLEL_TRAIN_LOSS, run.name)
 
 
 PACKED = ("data.document_mask=true", "train.steps=3", "model.n_dense_layers=2")  # rank 0: no MoE layer

@@ -19,17 +19,23 @@ One optimizer step (`Pipeline.step`) takes this rank's share of the step as sche
   schedule (no grad) counts them per stage, all-reduced over the stage's dp ranks, as the one-process
   trainer's pre-pass;
 - the step's counts per layer (summed over micro-batches, all-reduced over dp) come back for the
-  bias and quantile rules, which the caller applies once per optimizer step to each stage's layers;
-- the gradient norm is global: squared local shards summed over all ranks once, the tied embedding
-  counted once; clipping multiplies every rank's gradients by the same factor.
-Tied embeddings with the first and last stage on different ranks: the last stage's copy of
-`embed.weight` gets the first's gradient added (an all-reduce over the two ranks of each pipeline), so
-both copies take the same update (pipeline_grads.py, with the global norm).
+  bias and quantile rules, which the caller applies once per optimizer step to each stage's layers
+  (the MTP modules' MoE blocks after the main layers, from the training forwards' counts: the
+  pre-pass runs no MTP, as in one process);
+- the MTP loss and its MoE blocks' balancing losses ride on the last stage's output, scaled as the
+  rest (pipeline_stage.py); the stages pass the token ids (and, in a training call with MTP, the
+  targets) on to it, and every MoE layer reads the ids under hash routing;
+- the gradient norm is global: squared local shards summed over all ranks once, the embedding's
+  copy counted once; clipping multiplies every rank's gradients by the same factor.
+The embedding's copy on the last stage (tied embeddings, or MTP) with the first and last stage on
+different ranks: it gets the first stage's gradient added (an all-reduce over the two ranks of each
+pipeline), so both copies take the same update (pipeline_grads.py, with the global norm).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -47,7 +53,7 @@ from .mesh import PipelineMeshes
 from .parallelize import parallelize_model
 from . import pipeline_grads
 from .pipeline_split import stage_sizes
-from .pipeline_stage import StageModel, StageRecord
+from .pipeline_stage import StageModel, StageRecord, embed_on_last
 
 _SCHEDULE_CLASS = {"gpipe": pp_schedules.ScheduleGPipe, "1f1b": pp_schedules.Schedule1F1B,
                    "interleaved_1f1b": pp_schedules.ScheduleInterleaved1F1B,
@@ -77,14 +83,33 @@ def _forward_only(schedule: pp_schedules._PipelineSchedule) -> pp_schedules._Pip
     return schedule
 
 
+def _whole_backward() -> Callable[[], None]:
+    """The weight step of a stage whose backward runs whole: as `PipelineStage`'s dw_builder, the
+    stage's input-gradient step becomes its full backward and this, its deferred weight step, has
+    nothing left to do. The stage with the MTP modules needs it under the zero-bubble schedules.
+    Their split backward (torch's stage_backward_weight) computes the weight gradients one group of
+    weights at a time, each walk starting from where its weights meet the path from the stage's
+    input, with retain_graph off. The head meets that path twice, in the main logits and in the MTP
+    logits, and the first lies downstream of the second (the MTP loss rides on the hidden states
+    before the head); a tied embedding also meets it at the MTP input. So the head's walk runs
+    through the final norm and the MTP block and frees what the other groups' walks need (a
+    "backward through the graph a second time" error). Other stages keep the split."""
+    return lambda: None
+
+
 @dataclass
 class PipelineStep:
     """What one optimizer step's passes return (device tensors; the host reads them on log steps)."""
 
     ce: torch.Tensor | None  # mean cross-entropy over the step's micro-batches (ranks with the last stage)
     moe_loss: torch.Tensor  # this rank's stages' balancing losses, mean over the micro-batches
-    counts_LE: torch.Tensor  # this rank's MoE layers: pairs per expert, summed over the step and dp
+    # this rank's MoE layers (its stages' main layers, then the MTP modules'): pairs per expert,
+    # summed over the step and dp
+    counts_LE: torch.Tensor
     records: list[list[StageRecord]]  # per micro-batch, this rank's stages' records (MoE outputs, stats)
+    # model.mtp_depth > 0, ranks with the last stage: the MTP modules' loss (without model.mtp_weight),
+    # mean over the micro-batches; None elsewhere
+    mtp: torch.Tensor | None = None
 
 
 class Pipeline:
@@ -102,11 +127,11 @@ class Pipeline:
         self.spec, self.meshes, self.device, self.cfg = spec, meshes, device, model.cfg
         self.pp_rank, self.dp = meshes.pp.get_local_rank(), meshes.stage.world
         self.ep = meshes.stage.mesh.size(1)
-        sizes = stage_sizes(spec, list(model.blocks), seq_len, model.head.weight.numel())
+        sizes = stage_sizes(spec, list(model.blocks), seq_len, model.head.weight.numel(), list(model.mtp))
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         self.sizes = sizes
         self.stage_ids = spec.stages_of(self.pp_rank)
-        self.modules = [StageModel(model, s, spec.num_stages, starts[s], sizes[s]) for s in self.stage_ids]
+        self.modules = [StageModel(model, s, spec.num_stages, starts[s], sizes[s], packed) for s in self.stage_ids]
         self.expert_names: list[str] = []
         sharded = self.dp > 1
         for m in self.modules:
@@ -120,7 +145,8 @@ class Pipeline:
         self.batch, self.seq_len, self._logits_dtype, self.packed = batch, seq_len, logits_dtype, packed
         self.has_first = any(m.is_first for m in self.modules)
         self.has_last = any(m.is_last for m in self.modules)
-        self.tied_group = pipeline_grads.tie_group(spec) if model.cfg.tie_embeddings else None
+        # the embedding's copy on the last stage (pipeline_stage.py): its gradient summed with the first's
+        self.tied_group = pipeline_grads.tie_group(spec) if embed_on_last(model.cfg) else None
         # scale_grads off: each micro-batch's loss is already divided by the step's micro-batches
         # (pipeline_stage.py), and the schedule's own scaling would also shrink earlier calls' gradients
         self.schedule = self._schedule(batch, spec.microbatches, self._loss, grad=True)
@@ -135,14 +161,24 @@ class Pipeline:
         tokens = torch.empty(b, S, dtype=torch.long, device="meta")
         hidden = torch.empty(b, S, D, device="meta", requires_grad=grad)
         logits = torch.empty(b, S, V, dtype=self._logits_dtype, device="meta", requires_grad=grad)
-        seg = (torch.empty(b, S, dtype=torch.long, device="meta"),) if self.packed else ()
+        carry = self.modules[0].carry  # the integer tensors passed on (pipeline_stage.py), then the targets
+        targets = (tokens,) if self._with_targets(grad) else ()
+
+        def ints(m: StageModel, input: bool) -> tuple[torch.Tensor, ...]:
+            return (tokens,) * sum(1 for n in carry if not (input and m.is_first and n == "ids")) + targets
+
         stages = [PipelineStage(m, s, self.spec.num_stages, self.device, group=self.meshes.pp_group,
-                                input_args=((tokens if m.is_first else hidden), *seg),
-                                output_args=logits if m.is_last else (hidden, *seg))
+                                input_args=((tokens if m.is_first else hidden), *ints(m, True)),
+                                output_args=logits if m.is_last else (hidden, *ints(m, False)),
+                                dw_builder=_whole_backward if m.mtp is not None else None)
                   for m, s in zip(self.modules, self.stage_ids)]
         cls = _SCHEDULE_CLASS[self.spec.schedule]
         return cls(stages[0] if self.spec.schedule in ("gpipe", "1f1b") else stages, microbatches,
                    loss_fn=loss_fn, scale_grads=False)
+
+    def _with_targets(self, grad: bool) -> bool:
+        """Whether a schedule's calls carry the targets to the last stage: a training call with MTP."""
+        return grad and self.cfg.mtp_depth > 0
 
     def _ce(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
         """model.py's cross-entropy: with packed documents 0 (not NaN) where no target is left."""
@@ -171,16 +207,27 @@ class Pipeline:
     def moe_layers(self) -> list[torch.nn.Module]:
         return [layer for m in self.modules for layer in m.moe_layers()]
 
+    def mtp_moe_layers(self) -> list[torch.nn.Module]:
+        """The MTP modules' MoE blocks, on the rank of the last stage (after `moe_layers()` in the counts)."""
+        return [layer for m in self.modules for layer in m.mtp_moe_layers()]
+
     def _call(self, schedule: pp_schedules._PipelineSchedule, x_BS: torch.Tensor, y_BS: torch.Tensor,
               seg_BS: torch.Tensor | None, losses: list | None) -> None:
-        args = ((x_BS, seg_BS) if self.packed else (x_BS,)) if self.has_first else ()
+        """One schedule call: training (`losses` a list) or the pre-pass (None). The first stage takes
+        the tokens, the documents' ids, then (training with MTP) the targets (pipeline_stage.py)."""
+        args: tuple[torch.Tensor, ...] = ()
+        if self.has_first:
+            args = (x_BS, *((seg_BS,) if self.packed else ()))
+            args += (y_BS,) if self._with_targets(losses is not None) else ()
         target = y_BS if self.has_last else None
         schedule.step(*args, target=target, losses=losses, return_outputs=False) if losses is not None \
             else schedule.eval(*args)
 
     def _counts(self, records: list[list]) -> torch.Tensor:
-        """Pairs per expert of this rank's MoE layers, summed over micro-batches and dp ranks."""
-        per_micro = [[s.tokens_per_expert_E for r in rs for s in r.stats] for rs in records]
+        """Pairs per expert of this rank's MoE layers (the main ones, then the MTP modules' where the
+        forwards ran them), summed over micro-batches and dp ranks."""
+        per_micro = [[s.tokens_per_expert_E for r in rs for s in r.stats] +
+                     [s.tokens_per_expert_E for r in rs for s in r.mtp_stats] for rs in records]
         counts = torch.stack([torch.stack(c) for c in per_micro]).sum(0).float() if per_micro and per_micro[0] \
             else torch.zeros(0, device=self.device)
         if self.dp > 1 and counts.numel():
@@ -228,7 +275,9 @@ class Pipeline:
         self.sync_tied_grads()
         moe = torch.stack([r.moe_loss for rs in records for r in rs]).sum() / A if records and records[0] else \
             torch.zeros((), device=self.device)
-        return PipelineStep(ce if self.has_last else None, moe, self._counts(records), records)
+        mtp = [r.mtp_loss for rs in records for r in rs if r.mtp_loss is not None]
+        return PipelineStep(ce if self.has_last else None, moe, self._counts(records), records,
+                            torch.stack(mtp).sum() / A if mtp else None)
 
     def _owner(self, stage: int) -> int:
         """The pp rank that runs `stage`."""
@@ -258,7 +307,7 @@ class Pipeline:
             else:
                 h = torch.empty(B, S, self.cfg.d_model, device=self.device)  # the residual stream is fp32
                 dist.recv(h, group=group, group_src=self._owner(s - 1))
-            out = m(h, segments_BS)
+            out = m(h, ids_BS=x_BS, segments_BS=segments_BS)
             if isinstance(out, tuple):
                 out = out[0]
             if m.is_last:
@@ -277,7 +326,7 @@ class Pipeline:
         return ce, records
 
     def sync_tied_grads(self) -> None:
-        """The tied embedding's gradient summed over the first and the last stage (pipeline_grads.py)."""
+        """The embedding's gradient summed over the first and the last stage's copies (pipeline_grads.py)."""
         pipeline_grads.sync_tied_grads(self)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:

@@ -1,11 +1,12 @@
-"""A pipelined step's gradients: the tied embedding's two copies summed, the global norm and clipping.
+"""A pipelined step's gradients: the embedding's two copies summed, the global norm and clipping.
 
-Tied embeddings with the first and last stage on different ranks: each holds a copy of
-`embed.weight`; its gradient is summed over the two ranks of each pipeline (`tie_group`), so both
-copies take the same update. The global norm (as parallelize.finish_grads_): every rank's squared
-local shards summed once over all ranks (stages, ep slices and dp shards are disjoint pieces of the
-model; the tied embedding counted on the first stage's ranks only), the expert gradients divided by
-ep (they carry every ep rank's loss gradient), the clip factor clip_grad_norm_'s.
+The last stage holds a copy of `embed.weight` with tied embeddings (the head's weight) or with
+multi-token prediction (what the MTP modules embed with; pipeline_stage.py). With the first and last
+stage on different ranks its gradient is summed over the two ranks of each pipeline (`tie_group`),
+so both copies take the same update. The global norm (as parallelize.finish_grads_): every rank's
+squared local shards summed once over all ranks (stages, ep slices and dp shards are disjoint pieces
+of the model; the embedding counted on the first stage's ranks only), the expert gradients divided
+by ep (they carry every ep rank's loss gradient), the clip factor clip_grad_norm_'s.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def tie_group(spec: PipelineSpec) -> dist.ProcessGroup | None:
 
 @torch.no_grad()
 def sync_tied_grads(pipe) -> None:  # noqa: ANN001  (a pipeline.Pipeline, which imports this module)
-    """The tied embedding's gradient summed over the first and the last stage (module note)."""
+    """The embedding's gradient summed over the first and the last stage's copies (module note)."""
     if pipe.tied_group is None:
         return
     w = next(m.embed.weight for m in pipe.modules if m.embed is not None)
@@ -52,7 +53,7 @@ def clip_grad_norm_(pipe, max_norm: float) -> torch.Tensor:  # noqa: ANN001  (a 
     """The global gradient norm over every rank's shards, and the gradients scaled to `max_norm`
     when it is > 0 (clip_grad_norm_'s rule); returns the norm. As parallelize.finish_grads_: the
     expert gradients carry every ep rank's loss gradient, so they are divided by ep (in the norm
-    and in the one multiply); the tied embedding counts once (on the first stage's ranks)."""
+    and in the one multiply); the embedding counts once (on the first stage's ranks)."""
     experts = set(pipe.expert_names)
     skip_tied = pipe.tied_group is not None and not pipe.has_first
     dense, expert = [], []

@@ -1,8 +1,9 @@
 """This rank's part of a pipelined model as one module, under the whole model's names: what the trainer
 holds instead of an `MoEModel` when `parallel.pp_size` > 1.
 
-`embed` (first stage, and the last with tied embeddings), `blocks.<i>` for every block of this rank's
-stages, `norm` and `head` (last stage): the same modules the stages run (pipeline_stage.py), so the
+`embed` (first stage, and the last with tied embeddings or MTP), `blocks.<i>` for every block of this
+rank's stages, `norm`, `head` and `mtp.<k>` (last stage): the same modules the stages run
+(pipeline_stage.py), so the
 optimizer, the state dicts and the checkpoints (runs/dist_checkpoint.py) see the names one process
 sees, and a checkpoint written at one pipeline layout loads at another, or in one process.
 
@@ -40,6 +41,8 @@ class PipelineModel(nn.Module):
         last = next((m for m in mods if m.is_last), None)
         if last is not None:
             self.norm, self.head = last.norm, last.head
+            if last.mtp is not None:
+                self.mtp = last.mtp
 
     def moe_layers(self) -> list[nn.Module]:
         """This rank's MoE layers, in the model's order."""
@@ -50,10 +53,12 @@ class PipelineModel(nn.Module):
         return [int(n) for n, b in self.blocks.items() if b.is_moe]
 
     def mtp_moe_layers(self) -> list[nn.Module]:
-        return []
+        """The MTP modules' MoE blocks (on the last stage's rank; else none)."""
+        return self.pipeline.mtp_moe_layers()
 
     def all_moe_layers(self) -> list[nn.Module]:
-        return self.moe_layers()
+        """This rank's main MoE layers, then its MTP modules' (the balancing rules' order)."""
+        return [*self.moe_layers(), *self.mtp_moe_layers()]
 
     def expert_slots(self) -> ExpertSlots:
         layers = self.moe_layers()

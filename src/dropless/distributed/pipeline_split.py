@@ -7,9 +7,12 @@ split (`layers`: how many blocks each stage holds, in order).
 The split. Without an explicit list, the blocks are cut into contiguous stages that minimise the
 most expensive stage (an exact linear-partition dynamic programme: n_layers x stages is tiny). A
 stage's cost is the sum of its blocks' per-token forward FLOPs, read from the built modules (on
-meta: nothing is allocated), plus the LM head's on the last stage: 2 x active parameters for each
-matmul, and the attention's score and value products, 4 x seq_len x the query width, averaged over
-causal positions (half). The first stage's embedding is a lookup: no FLOPs.
+meta: nothing is allocated), plus on the last stage the LM head's and the multi-token prediction
+modules' (layers/mtp.py; each: its block, its [2D -> D] projection and the shared head once more):
+2 x active parameters for each matmul, and the attention's score and value products, 4 x seq_len x
+the query width, averaged over causal positions (half). The embedding is a lookup: no FLOPs. (An
+MTP module runs on S - k positions; its cost per token of the batch is counted as if on all S, an
+upper bound off by k / S.)
 
 Which rank runs which stage: `PipelineSpec.stages_of` (pipeline_config.py).
 """
@@ -35,6 +38,15 @@ def block_cost(block: nn.Module, seq_len: int) -> float:
     out = getattr(block.attn, "out", None)  # heads x value width -> d_model (both attention kinds)
     width = out.in_features if isinstance(out, nn.Linear) else block.attn_norm.weight.numel()
     return 2.0 * active + 4.0 * seq_len * width / 2
+
+
+def tail_cost(head_params: int, mtp: list[nn.Module], seq_len: int) -> float:
+    """Per-token forward FLOPs the last stage adds after its blocks: the LM head, and each MTP module
+    (`layers.mtp.MTPModule`: its block, its projection, the head again; module note)."""
+    cost = 2.0 * head_params
+    for module in mtp:
+        cost += block_cost(module.block, seq_len) + 2.0 * module.proj.weight.numel() + 2.0 * head_params
+    return cost
 
 
 def split_layers(costs: list[float], n_stages: int, head_cost: float = 0.0) -> list[int]:
@@ -66,9 +78,12 @@ def split_layers(costs: list[float], n_stages: int, head_cost: float = 0.0) -> l
     return sizes[::-1]
 
 
-def stage_sizes(spec: PipelineSpec, blocks: list[nn.Module], seq_len: int, head_params: int) -> list[int]:
-    """The spec's explicit split, or one balanced by cost (module note)."""
+def stage_sizes(spec: PipelineSpec, blocks: list[nn.Module], seq_len: int, head_params: int,
+                mtp: list[nn.Module] | None = None) -> list[int]:
+    """The spec's explicit split, or one balanced by cost (module note); `mtp`: the model's MTP
+    modules, on the last stage."""
     spec.check_model(len(blocks))
     if spec.layers:
         return list(spec.layers)
-    return split_layers([block_cost(b, seq_len) for b in blocks], spec.num_stages, 2.0 * head_params)
+    return split_layers([block_cost(b, seq_len) for b in blocks], spec.num_stages,
+                        tail_cost(head_params, mtp or [], seq_len))

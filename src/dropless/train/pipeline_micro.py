@@ -8,9 +8,10 @@ global-batch aux loss from the step's counts and the 1 / micro-batches scale; he
 statistics of this rank's layers go to the routing health, whose step counts (all-reduced over the
 stage's data-parallel ranks) drive the bias and quantile rules in `end_step`.
 
-The losses are device scalars of this rank's part: the cross-entropy on the ranks of the last stage
-(zero elsewhere), the balancing loss of this rank's stages; the trainer's log row sums them over
-every rank and divides by the data-parallel size.
+The losses are device scalars of this rank's part: the cross-entropy and the MTP loss on the ranks
+of the last stage (zero elsewhere), the balancing loss of this rank's stages (the MTP modules' MoE
+blocks' on the last); the trainer's log row sums them over every rank and divides by the
+data-parallel size.
 """
 
 from __future__ import annotations
@@ -58,8 +59,12 @@ class PipelineMicroBatches:
         zero = torch.zeros((), device=self.device)
         for records in out.records:
             moe = [m for r in records for m in r.moe]
-            self.health.add_micro(ModelOutput(None, None, None, zero, moe))
+            mtp_moe = [m for r in records for m in r.mtp_moe]  # the MTP modules' MoE blocks: balanced too
+            self.health.add_micro(ModelOutput(None, None, None, zero, moe, mtp_moe=mtp_moe))
         ce = out.ce if out.ce is not None else zero
-        losses = StepLosses(ce + out.moe_loss, ce, out.moe_loss)
+        weight = self.pipeline.cfg.mtp_weight
+        mtp = None if not self.pipeline.cfg.mtp_depth else out.mtp if out.mtp is not None else zero
+        loss = ce + out.moe_loss + (weight * mtp if mtp is not None else 0.0)
+        losses = StepLosses(loss, ce, out.moe_loss, mtp)
         none = torch.zeros((), dtype=torch.int64, device=self.device)
         return losses, none, none
