@@ -68,15 +68,17 @@ def test_zero_bubble_frees_at_the_weight_gradient(schedule: str) -> None:
     assert any(lower) == (schedule == "zero_bubble")
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_ranks_hold_the_whole_model_once(tied: bool) -> None:
-    """Summed over the pipeline's ranks at one rank per stage, the parameters are the whole model's,
-    the tied embedding once more (the last stage's copy); each block on one rank, in order."""
-    cfg = small("parallel.pp_size=2", f"model.tie_embeddings={str(tied).lower()}")
-    whole = plan(small(f"model.tie_embeddings={str(tied).lower()}"), 1)
+@pytest.mark.parametrize("tied,mtp", [(False, 0), (True, 0), (False, 1)])
+def test_ranks_hold_the_whole_model_once(tied: bool, mtp: int) -> None:
+    """Summed over the pipeline's ranks at one rank per stage, the parameters are the whole model's
+    (the MTP modules on the last), the embedding once more where the last stage keeps a copy (tied,
+    or for MTP); each block on one rank, in order."""
+    over = (f"model.tie_embeddings={str(tied).lower()}", f"model.mtp_depth={mtp}")
+    cfg = small("parallel.pp_size=2", *over)
+    whole = plan(small(*over), 1)
     ranks = plan_ranks(cfg, 2)
     embed = _meta_model(cfg).embed.weight.numel() * 4
-    assert sum(r.params for r in ranks) == whole.params + (embed if tied else 0)
+    assert sum(r.params for r in ranks) == whole.params + (embed if tied or mtp else 0)
     assert [r.stages for r in ranks] == [(0,), (1,)] and sum(r.blocks for r in ranks) == 4
 
 

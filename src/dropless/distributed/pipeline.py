@@ -52,7 +52,7 @@ from .materialize import local_rows
 from .mesh import PipelineMeshes
 from .parallelize import parallelize_model
 from . import pipeline_grads
-from .pipeline_split import stage_sizes
+from .pipeline_split import model_stage_sizes
 from .pipeline_stage import StageModel, StageRecord, embed_on_last
 
 _SCHEDULE_CLASS = {"gpipe": pp_schedules.ScheduleGPipe, "1f1b": pp_schedules.Schedule1F1B,
@@ -127,7 +127,7 @@ class Pipeline:
         self.spec, self.meshes, self.device, self.cfg = spec, meshes, device, model.cfg
         self.pp_rank, self.dp = meshes.pp.get_local_rank(), meshes.stage.world
         self.ep = meshes.stage.mesh.size(1)
-        sizes = stage_sizes(spec, list(model.blocks), seq_len, model.head.weight.numel(), list(model.mtp))
+        sizes = model_stage_sizes(spec, model, seq_len)
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         self.sizes = sizes
         self.stage_ids = spec.stages_of(self.pp_rank)

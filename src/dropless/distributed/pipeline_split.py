@@ -87,3 +87,9 @@ def stage_sizes(spec: PipelineSpec, blocks: list[nn.Module], seq_len: int, head_
         return list(spec.layers)
     return split_layers([block_cost(b, seq_len) for b in blocks], spec.num_stages,
                         tail_cost(head_params, mtp or [], seq_len))
+
+
+def model_stage_sizes(spec: PipelineSpec, model: nn.Module, seq_len: int) -> list[int]:
+    """`stage_sizes` of an `MoEModel` (built on meta or materialised): its blocks, its head and its
+    MTP modules. The trainer's pipeline and the planner both split by it."""
+    return stage_sizes(spec, list(model.blocks), seq_len, model.head.weight.numel(), list(model.mtp))

@@ -247,6 +247,7 @@ def plan_ranks(cfg: RunConfig, world: int) -> list[Plan]:
             host[s] = moe * act.moe_host + (len(blocks) - moe) * act.dense_host
     V, D = model.head.weight.shape[0], model.cfg.d_model
     accumulates = spec.microbatches * t.grad_accum > 1
+    ints = pipeline.carried_ints(model, bool(cfg.data.document_mask))
     plans = []
     for shape in shapes:
         part = RankModules(model, shape)
@@ -254,7 +255,7 @@ def plan_ranks(cfg: RunConfig, world: int) -> list[Plan]:
         peak_act, alive = pipeline.in_flight(spec, shape.pp_rank, {s: device[s] for s in shape.stages})
         offload = sum(alive[s] * host[s] for s in shape.stages)
         ep_buf = ep_buffer_bytes(cfg, tokens, bf16, stage_world, model) if part.moe_layers() else 0
-        pp_buf = pipeline.recv_buffer_bytes(spec, shape, rows, t.seq_len, D)
+        pp_buf = pipeline.recv_buffer_bytes(spec, shape, rows, t.seq_len, D, ints)
         loss_grad = tokens * V * (4 + (2 if bf16 else 0)) if shape.last else 0
         plans.append(_assemble(cfg, world, stage_world, tokens, bf16, el, peak_act, offload, ep_buf, pp_buf, loss_grad,
                                accumulates, act, pp_rank=shape.pp_rank, stages=shape.stages,

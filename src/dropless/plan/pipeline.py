@@ -1,12 +1,12 @@
 """What each rank of a pipeline holds, and how many micro-batches of its stages are alive at once:
 the planner's view of `parallel.pp_size` > 1 (model.py turns it into bytes).
 
-The split is the trainer's: `distributed/pipeline_split.stage_sizes` on the model built on meta (the
+The split is the trainer's: `distributed/pipeline_split.model_stage_sizes` on the model built on meta (the
 explicit `parallel.pp_layers`, or the cost-balanced cut), and `PipelineSpec.stages_of` says which
 rank runs which stage. A rank holds its stages' blocks; the first stage also the embedding, the last
-the final norm and the head (and the MTP modules), and with tied embeddings the last stage keeps its
-own copy of the embedding (distributed/pipeline_stage.py), so the embedding counts on both end ranks
-(once where zbv puts both end stages on rank 0).
+the final norm and the head (and the MTP modules), and with tied embeddings or MTP the last stage keeps
+its own copy of the embedding (distributed/pipeline_stage.py), so the embedding counts on both end
+ranks (once where zbv puts both end stages on rank 0).
 
 Micro-batches in flight. A stage keeps one micro-batch's activations from its forward to its
 backward. The order of the forwards and backwards on a rank is the schedule's, and it is read from
@@ -23,9 +23,12 @@ torch's own schedule, never re-derived:
   stage's own bytes, is the rank's activations.
 
 Receive buffers. torch's `PipelineStage` allocates, once, a receive buffer per micro-batch for the
-input of every stage but the first (the hidden states, [b, S, D] fp32) and for the output gradient
-of every stage but the last (the same shape): `2 m b S D 4` bytes for a middle stage. They live as
-long as the schedule (component `pp_buffers`).
+input of every stage but the first (the hidden states, [b, S, D] fp32, and the integer tensors the
+stages pass on: the token ids under hash routing or MTP, the documents' ids of packed windows
+(planned when `data.document_mask` is set; chat data turns it on by itself), MTP's targets, [b, S]
+int64 each) and for the output gradient of every stage but the last ([b, S, D]): `2 m b S D 4`
+bytes and the integers for a middle stage. They live as long as the schedule (component
+`pp_buffers`).
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from types import SimpleNamespace
 from torch import nn
 from torch.distributed.pipelining import schedules as pp_schedules
 
-from ..distributed.pipeline_split import stage_sizes
+from ..distributed.pipeline_split import model_stage_sizes
+from ..distributed.pipeline_stage import carried_names, embed_on_last
 from ..model import MoEModel
 from ..pipeline_config import PipelineSpec
 
@@ -61,7 +65,7 @@ class RankShape:
 
 def ranks(spec: PipelineSpec, model: MoEModel, seq_len: int) -> list[RankShape]:
     """Every rank of the pipeline, split as the trainer splits `model` (built on meta)."""
-    sizes = stage_sizes(spec, list(model.blocks), seq_len, model.head.weight.numel())
+    sizes = model_stage_sizes(spec, model, seq_len)
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     out = []
     for r in range(spec.pp_size):
@@ -77,8 +81,7 @@ class RankModules(nn.Module):
 
     def __init__(self, model: MoEModel, shape: RankShape) -> None:
         super().__init__()
-        tied = model.cfg.tie_embeddings
-        self.embed = model.embed if shape.first or (shape.last and tied) else None
+        self.embed = model.embed if shape.first or (shape.last and embed_on_last(model.cfg)) else None
         self.blocks = nn.ModuleList([model.blocks[i] for blocks in shape.blocks for i in blocks])
         self.norm = model.norm if shape.last else None
         self.head = model.head if shape.last else None
@@ -134,10 +137,18 @@ def in_flight(spec: PipelineSpec, rank: int, stage_bytes: dict[int, int]) -> tup
     return peak, at_peak
 
 
-def recv_buffer_bytes(spec: PipelineSpec, shape: RankShape, rows: int, seq_len: int, width: int) -> int:
+def carried_ints(model: MoEModel, packed: bool) -> int:
+    """How many [rows, S] int64 tensors a stage receives beside the hidden states in a training call
+    (module note; distributed/pipeline.py's input specs)."""
+    return len(carried_names(model.cfg, packed)) + (model.cfg.mtp_depth > 0)
+
+
+def recv_buffer_bytes(spec: PipelineSpec, shape: RankShape, rows: int, seq_len: int, width: int,
+                      ints: int = 0) -> int:
     """torch's receive buffers on this rank (module note): per micro-batch, an input buffer for each
-    stage but the first and an output-gradient buffer for each stage but the last, [rows, S, D] fp32."""
-    one = rows * seq_len * width * 4
-    n = spec.num_stages
-    per_micro = sum((s != 0) + (s != n - 1) for s in shape.stages)
-    return spec.microbatches * per_micro * one
+    stage but the first ([rows, S, D] fp32 and `ints` [rows, S] int64) and an output-gradient buffer
+    for each stage but the last ([rows, S, D] fp32)."""
+    hidden, n = rows * seq_len * width * 4, spec.num_stages
+    inputs = sum(s != 0 for s in shape.stages) * (hidden + ints * rows * seq_len * 8)
+    grads = sum(s != n - 1 for s in shape.stages) * hidden
+    return spec.microbatches * (inputs + grads)

@@ -43,6 +43,8 @@ PIPELINE_RUNS = [
                  "parallel.pp_microbatches=4", "train.batch_size=16")),
     ("tiny", 2, ("parallel.pp_size=2", "parallel.pp_schedule=zbv", "parallel.pp_stages_per_rank=2",
                  "parallel.pp_microbatches=4", "train.batch_size=16")),
+    # the token ids and targets passed stage to stage, the MTP module and an embedding copy on the last
+    ("tiny", 2, ("parallel.pp_size=2", "model.mtp_depth=1", "model.moe.router.strategy=hash")),
 ]
 
 
