@@ -32,6 +32,8 @@ and the division were four ops, and whose backward is one [T, K] softmax backwar
 division's was seven ops plus the full [T, E] softmax backward. The rounding differs from the
 quotient's by a few fp32 ulps, and the logits outside the chosen K get an exact zero gradient (the
 quotient's was zero in exact arithmetic only). Selection is unchanged (it reads the full scores).
+One case reads differently: imposed ids (replay, hash, forced) whose probabilities all underflow to
+0 in fp32 (logits ~100 below the token's best) get weights that sum to 1, where the quotient gave 0.
 
 Fewer experts at serving time (`norm_top_k`, docs/serving.md): a model trained with top-k can run
 only its top K1 < k experts. Renormalising the K1 weights to sum to 1 inflates each kept expert's
@@ -58,7 +60,8 @@ import torch.nn.functional as F
 
 from .permute import bin_counts
 
-# Renormalising weights divides by their sum + _EPS, not by sum.clamp_min(_EPS): the same bits for
+# Renormalising sigmoid or sqrt_softplus weights (softmax ones are a softmax of the chosen logits,
+# module note) divides by their sum + _EPS, not by sum.clamp_min(_EPS): the same bits for
 # any sum of at least 2^-42 = 2.3e-13 (1e-20 is below half an fp32 ulp there), and the backward of
 # an add is free where clamp_min's is three ops (ge, where, a scalar) per layer call. Either keeps an
 # all-zero row finite.
