@@ -103,7 +103,7 @@ def test_layer_matches_per_token_reference(name: str) -> None:
         for j in range(layer.cfg.top_k):
             tally[int(ids[t, j])] += 1
     assert torch.equal(out.stats.tokens_per_expert_E, tally), (out.stats.tokens_per_expert_E, tally)
-    assert int(out.stats.pairs_dropped) == 0
+    assert out.stats.pairs_dropped is None  # the dropless plan cannot drop and computes no count of it
     assert int(out.stats.pairs_computed) == int(tally.sum())
     if name == "empty_expert":
         assert int(tally[2]) == 0

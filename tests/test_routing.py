@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dropless.ops import routing
+from tolerances import REFERENCE, assert_close
 
 
 def test_score_functions() -> None:
@@ -94,3 +95,41 @@ def test_replayed_ids_take_current_weights() -> None:
     assert torch.allclose(w3[:, 0], p[:, 4] / (p[:, 4] + p[:, 0]))
     w3.sum().backward()
     assert logits.grad is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("pre_softmax", [True, False])
+def test_renormalised_softmax_weights_match_the_quotient(dtype: torch.dtype, pre_softmax: bool) -> None:
+    # The weights of a softmax router with renormalisation (and post-softmax's) are computed as the
+    # softmax of the chosen logits (module note); the specification is the quotient of the gathered
+    # full-softmax scores. Values and the logits' gradient, through the chosen ids and the others.
+    g = torch.Generator().manual_seed(3)
+    logits = (3 * torch.randn(40, 7, generator=g, dtype=dtype)).requires_grad_(True)
+    ids, w, _ = routing.topk_route(logits, top_k=3, pre_softmax=pre_softmax, scaling_factor=2.5)
+    p = torch.softmax(logits, -1).gather(1, ids)
+    ref = 2.5 * p / p.sum(-1, keepdim=True)
+    probe = torch.randn(40, 3, generator=g, dtype=dtype)
+    (grad,) = torch.autograd.grad((w * probe).sum(), logits, retain_graph=True)
+    (grad_ref,) = torch.autograd.grad((ref * probe).sum(), logits)
+    assert_close(w, ref, REFERENCE[dtype], msg="weights")
+    assert_close(grad, grad_ref, REFERENCE[dtype], msg="logits gradient")
+    # the logits outside the chosen ids get an exact zero (the quotient's is zero only in exact arithmetic)
+    outside = torch.ones_like(logits, dtype=torch.bool).scatter_(1, ids, False)
+    assert bool((grad[outside] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_aux_loss_matches_its_formula_in_value_and_gradient(dtype: torch.dtype) -> None:
+    # switch_aux_loss is one dot product of P with the scaled counts; the specification is
+    # E * sum_e f_e * P_e with f from the counts and P the mean probability.
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(24, 6, generator=g, dtype=dtype, requires_grad=True)
+    ids, _, scores = routing.topk_route(logits, top_k=2)
+    counts = routing.expert_counts(ids, 6)
+    aux = routing.switch_aux_loss(scores, counts, 2)
+    ref = 6 * (counts.to(dtype) / (24 * 2) * scores.mean(0)).sum()
+    assert aux.dtype == dtype
+    assert_close(aux, ref, REFERENCE[dtype], msg="aux loss")
+    (grad,) = torch.autograd.grad(aux, logits, retain_graph=True)
+    (grad_ref,) = torch.autograd.grad(ref, logits)
+    assert_close(grad, grad_ref, REFERENCE[dtype], msg="logits gradient")

@@ -1,6 +1,6 @@
 """`dropless bench layer --count-ops`: what it counts (top-level ATen ops, views apart), and the counts
 it guards on the MoE layer: one sort per forward, and a GPU-path backward whose ops do not grow with
-the number of rows, and the op budget of the layer."""
+the number of rows, and the op budget of the layer (total and non-view)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def test_counts_top_level_ops_only_and_sets_views_apart() -> None:
 
 
 def _layer_count(tokens: int, gpu_path: bool) -> op_count.OpCount:
-    forwards, _ = bench.build_forwards("tiny", "balanced", torch.float32, only={"dropless"}, tokens=tokens)
+    # bf16, as the documented command: the routing weights' cast to the experts' dtype is on the path
+    forwards, _ = bench.build_forwards("tiny", "balanced", torch.bfloat16, only={"dropless"}, tokens=tokens)
     f = forwards["dropless"]
     _, counts = op_count.count_variants({"dropless": bench._fwd_bwd(f.fn, f.x, f.params, op_count.MARKS)},
                                         gpu_path=gpu_path)
@@ -38,9 +39,13 @@ def test_the_layer_sorts_once_and_the_gpu_backward_does_not_grow_with_rows(monke
     # the plan's sort gives the counts the aux loss and the statistics read (no second sort)
     assert small.forward["aten::sort"] == 1 and small.forward["aten::searchsorted"] == 1
     assert small.forward == large.forward and small.backward == large.backward
-    # a budget that only goes down (transformers' block is 106 at the medium shape): renormalising the
-    # top-k weights with clamp_min instead of + eps costs 3 more backward ops and fails here
-    assert small.total() <= 121, (small.forward, small.backward)
+    # a budget that only goes down, at most transformers' Qwen3-MoE block (106 ops, 62 non-view, at
+    # the medium shape; the layer's counts do not depend on the shape): the renormalised softmax
+    # weights as a quotient of gathered scores again (3 more forward ops, 8 more backward), the aux
+    # loss as cast, divide, multiply, sum, scale (3 more), `pairs_computed` or a zero `pairs_dropped`
+    # made by every call, or the routing weights cast inside the experts' Function each fail here
+    assert small.total() <= 96, (small.forward, small.backward)
+    assert small.total(non_view=True) <= 62, (small.forward, small.backward)
     # the CPU's blocked recompute: a few ops per block of rows
     blocked = _layer_count(512, gpu_path=False)
     assert blocked.phase("backward") > large.phase("backward") + 100

@@ -115,5 +115,4 @@ def applies(experts: torch.nn.Module, dispatcher: Dispatcher, decision: RoutingD
 
 def no_drop_meta(decision: RoutingDecision, num_experts: int) -> DispatchMeta:
     """What the layer's statistics read from a dispatcher's metadata: nothing dropped, all E local."""
-    zero = torch.zeros((), dtype=torch.int64, device=decision.ids_TK.device)
-    return DispatchMeta(pairs_dropped=zero, first_expert=0, num_local=num_experts)
+    return DispatchMeta(pairs_dropped=None, first_expert=0, num_local=num_experts)

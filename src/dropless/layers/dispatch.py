@@ -58,7 +58,8 @@ from .router import RoutingDecision
 class DispatchMeta:
     """What every dispatcher's metadata tells the layer (device scalars stay on the device)."""
 
-    pairs_dropped: torch.Tensor  # int64 scalar: valid pairs that got no row (capacity, EP overflow)
+    # int64 scalar: valid pairs that got no row (capacity, EP overflow); None: this dispatch cannot drop
+    pairs_dropped: torch.Tensor | None
     first_expert: int  # global index of the first expert of the batch's groups
     num_local: int  # groups in ExpertBatch.offsets_E: experts [first_expert, first_expert + num_local)
     link_demand: torch.Tensor | None = None  # int64 scalar: EP, most pairs routed over one link

@@ -168,7 +168,13 @@ def run_experts(spec: GroupedExperts | nn.Module, x_RD: torch.Tensor, w1_EDW: to
     if lora.has_expert_adapters(spec):
         return run_lora_experts(spec, x_RD, w1_EDW, w2_EFD, batch, dequant)
     if runs_lean(spec):
-        return lean_experts(x_RD, w1_EDW, w2_EFD, batch.offsets_E, batch.weights_R, batch.source,
+        # the routing weights in the compute dtype once, here: the Function multiplies them in that
+        # dtype in its forward, its recompute and its backward (three casts of w_R otherwise, and a
+        # fourth of its gradient); autograd casts the gradient back (the same bits either way)
+        w_R = batch.weights_R
+        if w_R is not None and w_R.dtype != x_RD.dtype:
+            w_R = w_R.to(x_RD.dtype)
+        return lean_experts(x_RD, w1_EDW, w2_EFD, batch.offsets_E, w_R, batch.source,
                             spec.kind, spec.clamp, spec.softcap, spec.backend, dequant)
     if dequant is not None:  # the plain composition: autograd keeps the weights
         w1_EDW, w2_EFD = dequant()

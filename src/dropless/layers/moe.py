@@ -8,10 +8,15 @@ losses with their coefficients, the trainer accumulates the statistics and reads
 once per log interval. Nothing here calls `.item()` or reads a count on the host, so the dropless
 path never waits for the device.
 
-Statistics cost: the default set is the counts and two scalars. `detailed_stats` (a plain attribute
-the trainer sets to True on log steps only, default False) adds the per-expert output sum of squares
-and two router reductions for the health monitor: one pass over y_RD and two over scores_TE, all on
-the device, under no_grad.
+Statistics cost: the default set is the per-expert counts, which the routing plan made anyway (its
+sort, binary search and difference), plus the dropped pairs where a path can drop (capacity, EP);
+no op of its own on the local dropless path. What derives from the counts (pairs computed, MaxVio,
+loads) is computed where it is read: the trainer's accumulators per micro-batch on the device, the
+monitor once per log interval. `detailed_stats` (a plain attribute the trainer sets to True on log
+steps only, default False) adds the per-expert output sum of squares and two router reductions for
+the health monitor: one pass over y_RD and two over scores_TE, all on the device, under no_grad.
+The losses: the aux loss is one mean and one dot product (routing.switch_aux_loss), the z-loss a
+logsumexp, a square and a mean; both stay per call, as the model adds them to every micro-batch's loss.
 """
 
 from __future__ import annotations
@@ -37,8 +42,9 @@ class MoEStats:
     """Device tensors, one set per layer call. The Optional ones are None unless asked for."""
 
     tokens_per_expert_E: torch.Tensor  # int64: pairs routed to each expert (before any drop)
-    pairs_computed: torch.Tensor  # int64 scalar
-    pairs_dropped: torch.Tensor  # int64 scalar (0 on every dropless path)
+    # int64 scalar: valid pairs that got no row (capacity, EP overflow); None where the path cannot
+    # drop (the local dropless plan, the decode path): nothing to compute or to add up
+    pairs_dropped: torch.Tensor | None
     # EP buffered mode: most pairs this rank asked one (source, destination) link to carry (int64)
     link_demand: torch.Tensor | None = None
     pairs_spilled: torch.Tensor | None = None  # EP on_overflow "spill": pairs that took the second exchange
@@ -49,6 +55,13 @@ class MoEStats:
     # balancing rules that need the scores (the trainer applies them between steps):
     score_quantile_E: torch.Tensor | None = None  # strategy expert_threshold: for update_threshold
     quantile_bias_E: torch.Tensor | None = None  # balance.quantile_balance: the proposed bias
+
+    @property
+    def pairs_computed(self) -> torch.Tensor:
+        """int64 scalar: the pairs that got a row. Derived where it is read (two device ops), not
+        by every layer call: the trainer's accumulators never need it."""
+        total = self.tokens_per_expert_E.sum()
+        return total if self.pairs_dropped is None else total - self.pairs_dropped
 
 
 @dataclass(frozen=True)
@@ -253,6 +266,5 @@ class MoELayer(nn.Module):
             if self.quantile_stats:
                 extra["quantile_bias_E"] = balance.quantile_bias(
                     self.router.selection_base(decision), self.cfg.top_k)
-        dropped = routed.meta.pairs_dropped
-        return MoEStats(counts_E, counts_E.sum() - dropped, dropped, routed.meta.link_demand,
+        return MoEStats(counts_E, routed.meta.pairs_dropped, routed.meta.link_demand,
                         pairs_spilled=routed.meta.pairs_spilled, **extra)

@@ -92,7 +92,8 @@ class Router(nn.Module):
         off = torch.autocast(dev, enabled=False) if autocast_available(dev) else nullcontext()
         with off:
             # keeps x_TD in its own dtype for the backward, not its fp32 copy (ops/routing.py)
-            return routing.router_logits(x_TD, self.weight.float())
+            w_ED = self.weight if self.weight.dtype == torch.float32 else self.weight.float()
+            return routing.router_logits(x_TD, w_ED)
 
     def selection_base(self, decision: RoutingDecision) -> torch.Tensor:
         """The unbiased tensor the bias is added to: logits for post-softmax, else the scores."""

@@ -148,7 +148,8 @@ class StepAccumulator:
         counts = stats.tokens_per_expert_E.detach().float()
         self.step_counts_LE[layer] += counts
         self.maxvio_local_L[layer] = torch.maximum(self.maxvio_local_L[layer], maxvio_device(counts))
-        self.dropped_L[layer] += stats.pairs_dropped.float()
+        if stats.pairs_dropped is not None:  # None: the layer's path cannot drop
+            self.dropped_L[layer] += stats.pairs_dropped.float()
         if aux_loss is not None:
             self.aux_sum_L[layer] += aux_loss.detach().float()
             self.aux_n_L[layer] += 1

@@ -88,6 +88,11 @@ class _ContiguousGrad(torch.autograd.Function):
         return g.contiguous()
 
 
+def _int32(offsets_E: torch.Tensor) -> torch.Tensor:
+    """The offsets as grouped_mm takes them (int32), without a call when they are int32 already."""
+    return offsets_E if offsets_E.dtype == torch.int32 else offsets_E.to(torch.int32)
+
+
 def _pad_to(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
@@ -103,7 +108,7 @@ def grouped_mm(x_RD: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor)
         # are sliced off. Costs one copy of each operand, only for widths that break alignment.
         x_RD = F.pad(x_RD, (0, Dp - D))
         w_EDF = F.pad(w_EDF, (0, Fp - Fo, 0, Dp - D))
-    y = _grouped_mm(x_RD.contiguous(), w_EDF, offs=offsets_E.to(torch.int32))
+    y = _grouped_mm(x_RD.contiguous(), w_EDF, offs=_int32(offsets_E))
     y = _ContiguousGrad.apply(y)
     return y[:, :Fo] if Fp != Fo else y
 
@@ -129,7 +134,7 @@ def grouped_dgrad(g_RF: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tens
     if Dp != D or Fp != Fo:  # the operands the forward padded, padded the same way
         g_RF = F.pad(g_RF, (0, Fp - Fo))
         w_EDF = F.pad(w_EDF, (0, Fp - Fo, 0, Dp - D))
-    dx = _grouped_mm(g_RF.contiguous(), w_EDF.transpose(-2, -1), offs=offsets_E.to(torch.int32))
+    dx = _grouped_mm(g_RF.contiguous(), w_EDF.transpose(-2, -1), offs=_int32(offsets_E))
     return dx[:, :D] if Dp != D else dx
 
 
@@ -146,7 +151,7 @@ def grouped_wgrad(x_RD: torch.Tensor, g_RF: torch.Tensor, offsets_E: torch.Tenso
         x_RD = F.pad(x_RD, (0, Dp - D))
         g_RF = F.pad(g_RF, (0, Fp - Fo))
     dw = _grouped_mm(x_RD.contiguous().transpose(-2, -1), g_RF.contiguous(),
-                     offs=offsets_E.to(torch.int32))
+                     offs=_int32(offsets_E))
     return dw[:, :D, :Fo] if Dp != D or Fp != Fo else dw
 
 

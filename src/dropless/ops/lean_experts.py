@@ -51,7 +51,7 @@ from typing import Callable
 import torch
 
 from . import grouped_gemm
-from .activations import activation, swiglu_backward, swiglu_forward, weighted_swiglu
+from .activations import activation, as_dtype, swiglu_backward, swiglu_forward, weighted_swiglu
 
 BACKENDS = ("grouped_mm", "loop")
 
@@ -80,7 +80,7 @@ def _act(h_RW: torch.Tensor, w_R: torch.Tensor | None, kind: str, clamp: float |
          softcap: float | None) -> torch.Tensor:
     """The weighted activation of the unfused kinds: the ops of layers/experts.py's plain path."""
     a_RF = activation(h_RW, kind, clamp, softcap)
-    return a_RF if w_R is None else a_RF * w_R.to(a_RF.dtype).unsqueeze(-1)
+    return a_RF if w_R is None else a_RF * as_dtype(w_R, a_RF.dtype).unsqueeze(-1)
 
 
 # at::internal::GRAIN_SIZE: an element-wise op over this many elements or fewer runs on one thread
@@ -123,8 +123,8 @@ def _swiglu_recompute_backward(h_RW: torch.Tensor, w_R: torch.Tensor | None, da_
     a_RF = h_RW.new_empty(R, F_)
     dh_RW = da_RF.new_empty(R, 2 * F_)
     # the weight in a's dtype (swiglu_forward) and in the gradient's (swiglu_backward)
-    wa_R1 = None if w_R is None else w_R.to(h_RW.dtype).unsqueeze(-1)
-    wg_R1 = None if w_R is None else w_R.to(da_RF.dtype).unsqueeze(-1)
+    wa_R1 = None if w_R is None else as_dtype(w_R, h_RW.dtype).unsqueeze(-1)
+    wg_R1 = None if w_R is None else as_dtype(w_R, da_RF.dtype).unsqueeze(-1)
     want_w = w_R is not None and want_grad_w
     dw_R = h_RW.new_empty(R, dtype=torch.result_type(da_RF, h_RW)) if want_w else None
     s = h_RW.new_empty(min(rows, R), F_)  # one block of silu(gate), reused
@@ -145,7 +145,7 @@ def _swiglu_recompute_backward(h_RW: torch.Tensor, w_R: torch.Tensor | None, da_
                 torch.linalg.vecdot(g_up, s_b, out=dw_R[r:r + n])
             g_up.mul_(wg)
         torch.ops.aten.silu_backward.grad_input(g_up, gate, grad_input=dh_RW[r:r + n, :F_])
-    return a_RF, dh_RW, None if dw_R is None else dw_R.to(w_dtype)
+    return a_RF, dh_RW, None if dw_R is None else as_dtype(dw_R, w_dtype)
 
 
 def regather(source: RowSource, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -153,7 +153,7 @@ def regather(source: RowSource, dtype: torch.dtype | None = None) -> torch.Tenso
     (default the source's). Cast, then gathered: the same values as gathering then casting (a cast
     is element-wise and maps zero to zero), with T rows cast instead of R = T*K and the gather
     moving rows of the narrower dtype (bf16 autocast: half the bytes)."""
-    x_TD = source.x_TD if dtype is None else source.x_TD.to(dtype)
+    x_TD = source.x_TD if dtype is None else as_dtype(source.x_TD, dtype)
     if source.padded:
         x_TD = torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])])
     return x_TD.index_select(0, source.src_R)

@@ -66,24 +66,30 @@ class RoutingPlan:
         """Token of each row; T (a zero row) for padding, since P // K == T."""
         return self.pair_of_R // self.top_k
 
-    def pairs_dropped(self) -> torch.Tensor:
-        if self.keep_P is None:
-            return torch.zeros((), dtype=torch.int64, device=self.row_of_P.device)
-        return (~self.keep_P).sum()
+    def pairs_dropped(self) -> torch.Tensor | None:
+        """int64 scalar: pairs past their expert's capacity; None for a dropless plan (none can be)."""
+        return None if self.keep_P is None else (~self.keep_P).sum()
 
 
-def _invert(order_P: torch.Tensor) -> torch.Tensor:
+def _invert(order_P: torch.Tensor, steps: torch.Tensor | None = None) -> torch.Tensor:
+    """The inverse permutation. `steps`: an int64 arange of at least P values to read 0 .. P-1 from."""
+    P = order_P.numel()
+    if steps is None:
+        steps = torch.arange(P, device=order_P.device)
     inv = torch.empty_like(order_P)
-    inv[order_P] = torch.arange(order_P.numel(), device=order_P.device)
+    inv[order_P] = steps if steps.numel() == P else steps[:P]
     return inv
 
 
-def edges_of_sorted(sorted_N: torch.Tensor, num_bins: int) -> torch.Tensor:
+def edges_of_sorted(sorted_N: torch.Tensor, num_bins: int, steps: torch.Tensor | None = None) -> torch.Tensor:
     """[num_bins + 1] int64: how many of the ascending keys are below each of 0 .. num_bins, so bin b
     holds keys [edges[b], edges[b+1]) and edges[1:] are the bins' ends. A binary search for every bin
     edge: no host sync on any device (CUDA's bincount reads the keys' min and max back to the host to
-    size its output, which the dropless path must never do)."""
-    return torch.searchsorted(sorted_N, torch.arange(num_bins + 1, device=sorted_N.device, dtype=sorted_N.dtype))
+    size its output, which the dropless path must never do). `steps`: an arange of the keys' dtype
+    with at least num_bins + 1 values to read the edges from (one arange the caller shares)."""
+    if steps is None:
+        steps = torch.arange(num_bins + 1, device=sorted_N.device, dtype=sorted_N.dtype)
+    return torch.searchsorted(sorted_N, steps if steps.numel() == num_bins + 1 else steps[:num_bins + 1])
 
 
 def counts_of_sorted(sorted_N: torch.Tensor, num_bins: int) -> torch.Tensor:
@@ -125,11 +131,15 @@ def make_plan(ids_TK: torch.Tensor, num_experts: int, align: int = 1,
     ids_P = ids_TK.reshape(-1)
     # Stable: within an expert, pairs stay in token order (determinism and position-based dropping).
     sorted_P, order_P = torch.sort(ids_P, stable=True)
-    edges_E1 = edges_of_sorted(sorted_P, E)
+    # one arange gives both the bin edges 0 .. E searched for and the inverse permutation's values
+    # (int64 ids, the usual case; a kernel launch fewer per layer call)
+    steps = (torch.arange(max(P, E + 1), device=ids_P.device)
+             if align == 1 and ids_P.dtype == torch.int64 else None)
+    edges_E1 = edges_of_sorted(sorted_P, E, steps)
     counts_E = torch.diff(edges_E1)
     if align == 1:  # the group ends are the bin edges: every id is < E
-        return RoutingPlan(T, K, E, P, counts_E, edges_E1[1:].to(torch.int32), _invert(order_P), order_P,
-                           bags_T=_bags(T, K, ids_P.device))
+        return RoutingPlan(T, K, E, P, counts_E, edges_E1[1:].to(torch.int32), _invert(order_P, steps),
+                           order_P, bags_T=_bags(T, K, ids_P.device))
     _, rows_sorted, ends_E = _aligned_rows(ids_P, order_P, counts_E, align)
     R = P + E * (align - 1)  # static bound on sum(padded_E)
     row_of_P = torch.empty_like(order_P)

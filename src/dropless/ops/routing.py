@@ -24,6 +24,17 @@ Selection is done on `scores + bias` (or `logits + bias` for post-softmax); the 
 gathered from the unbiased scores, so the bias steers load without changing what the experts' outputs
 are multiplied by.
 
+Renormalised softmax weights are the softmax of the chosen logits: p_i / sum_{j in K} p_j with
+p = softmax over all E is exp(l_i) / sum_{j in K} exp(l_j) (the full softmax's normaliser cancels),
+so pre-softmax with renormalisation and post-softmax give the same weights, and both are computed as
+`softmax(logits.gather(ids))`: one small softmax where the gather of the scores, their sum, the + eps
+and the division were four ops, and whose backward is one [T, K] softmax backward where the
+division's was seven ops plus the full [T, E] softmax backward. The rounding differs from the
+quotient's by a few fp32 ulps, and the logits outside the chosen K get an exact zero gradient (the
+quotient's was zero in exact arithmetic only). Selection is unchanged (it reads the full scores).
+One case reads differently: imposed ids (replay, hash, forced) whose probabilities all underflow to
+0 in fp32 (logits ~100 below the token's best) get weights that sum to 1, where the quotient gave 0.
+
 Fewer experts at serving time (`norm_top_k`, docs/serving.md): a model trained with top-k can run
 only its top K1 < k experts. Renormalising the K1 weights to sum to 1 inflates each kept expert's
 weight beyond what training gave it; the seeds' rule instead routes the top K2 >= K1 exactly as the
@@ -49,7 +60,8 @@ import torch.nn.functional as F
 
 from .permute import bin_counts
 
-# Renormalising weights divides by their sum + _EPS, not by sum.clamp_min(_EPS): the same bits for
+# Renormalising sigmoid or sqrt_softplus weights (softmax ones are a softmax of the chosen logits,
+# module note) divides by their sum + _EPS, not by sum.clamp_min(_EPS): the same bits for
 # any sum of at least 2^-42 = 2.3e-13 (1e-20 is below half an fp32 ulp there), and the backward of
 # an add is free where clamp_min's is three ops (ge, where, a scalar) per layer call. Either keeps an
 # all-zero row finite.
@@ -144,24 +156,26 @@ def topk_route(
     # topk is deterministic on CPU; ties go to the lower expert index. sorted=True: the first top_k
     # of the top n are the top top_k.
     ids_TN = sel_TE.topk(n, dim=-1, sorted=True).indices
-    weights_TN = _combine_weights(logits_TE, scores_TE, ids_TN, post_softmax, renormalize, scaling_factor,
-                                  always=norm_top_k is not None)
+    weights_TN = _combine_weights(logits_TE, scores_TE, ids_TN, score_func, post_softmax, renormalize,
+                                  scaling_factor, always=norm_top_k is not None)
     if n == top_k:
         return ids_TN, weights_TN, scores_TE
     return ids_TN[:, :top_k].contiguous(), weights_TN[:, :top_k].contiguous(), scores_TE
 
 
 def _combine_weights(logits_TE: torch.Tensor, scores_TE: torch.Tensor, ids_TK: torch.Tensor,
-                     post_softmax: bool, renormalize: bool, scaling_factor: float,
+                     score_func: str, post_softmax: bool, renormalize: bool, scaling_factor: float,
                      always: bool = False) -> torch.Tensor:
     """The unbiased weights at the chosen ids: softmax over the k logits (post-softmax), or the
     scores gathered and optionally renormalised to sum to 1 (not a single one unless `always`);
-    then the routing scaling factor."""
-    if post_softmax:
+    then the routing scaling factor. Softmax scores renormalised over the chosen ids are the softmax
+    of the chosen logits (module note), computed so."""
+    renorm = renormalize and (ids_TK.shape[1] > 1 or always)
+    if post_softmax or (renorm and score_func == "softmax"):
         weights_TK = torch.softmax(logits_TE.gather(1, ids_TK), dim=-1)
     else:
         weights_TK = scores_TE.gather(1, ids_TK)
-        if renormalize and (ids_TK.shape[1] > 1 or always):
+        if renorm:
             weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + _EPS)
     if scaling_factor != 1.0:
         weights_TK = weights_TK * scaling_factor
@@ -185,7 +199,8 @@ def weights_at(
     """
     scores_TE = score_fn(logits_TE, score_func)
     post_softmax = score_func == "softmax" and not pre_softmax
-    return _combine_weights(logits_TE, scores_TE, ids_TK, post_softmax, renormalize, scaling_factor), scores_TE
+    return (_combine_weights(logits_TE, scores_TE, ids_TK, score_func, post_softmax, renormalize, scaling_factor),
+            scores_TE)
 
 
 def router_probs(scores_TE: torch.Tensor, score_func: str) -> torch.Tensor:
@@ -297,11 +312,17 @@ def switch_aux_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, top_k: int,
     choice); P_e = mean router probability of e (carries the gradient). Reads 1.0 at perfect balance.
     Note it also reads its minimum when P is flat at 1/E whatever the real loads: judge balance by
     MaxVio from real counts, never by this loss. `probs_mean_E`: P when the caller has it already.
+    Computed as one dot product of P with the counts scaled by E / (T*K) (the int64 counts promote
+    to float in that multiply): two ops where the cast, the division, the product, the sum and the
+    factor E were five; the same value up to the order of the roundings (a few fp32 ulps).
     """
     T, E = probs_TE.shape
-    f_E = counts_E.to(probs_TE.dtype) / max(T * top_k, 1)
     P_E = probs_TE.mean(0) if probs_mean_E is None else probs_mean_E
-    return E * (f_E * P_E).sum()
+    scale = E / max(T * top_k, 1)
+    # E * f_e; integer counts times a float promote to the default dtype: cast first where that is not P's
+    promoted = counts_E.dtype if counts_E.is_floating_point() else torch.get_default_dtype()
+    f_E = (counts_E if promoted == P_E.dtype else counts_E.to(P_E.dtype)) * scale
+    return torch.dot(f_E, P_E)
 
 
 def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:

@@ -83,11 +83,12 @@ class OverflowGuard:
     @staticmethod
     def count(stats: list[MoEStats]) -> tuple[torch.Tensor, torch.Tensor]:
         """(dropped pairs, busiest link demand) of one micro-batch's MoE layers; device scalars."""
-        dev = stats[0].pairs_dropped.device if stats else None
+        dev = stats[0].tokens_per_expert_E.device if stats else None
         dropped = torch.zeros((), dtype=torch.int64, device=dev)
         demand = torch.zeros((), dtype=torch.int64, device=dev)
         for s in stats:
-            dropped = dropped + s.pairs_dropped
+            if s.pairs_dropped is not None:  # None: a path that cannot drop
+                dropped = dropped + s.pairs_dropped
             if s.link_demand is not None:
                 demand = torch.maximum(demand, s.link_demand)
         return dropped, demand
