@@ -139,6 +139,38 @@ def test_lean_blocked_swiglu_backward_equals_keep_act(shape: str, dtype: str, th
         assert not calls  # the blocked path ran, not the whole-tensor fallback
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "autocast"])
+def test_lean_blocked_swiglu_two_threads_real_grain(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # At torch's real grain and 2 threads, a whole block is one grain per thread (torch splits it on
+    # row boundaries, both threads working) and the rows past the last whole block go one grain at a
+    # time. R = 300 tokens x 2 = 600 rows of f = 256: two whole blocks of 256 rows, then 88 rows.
+    from dropless.ops import lean_experts as lean_mod
+    calls, starts = [], []
+    real = lean_mod.swiglu_backward
+    monkeypatch.setattr(lean_mod, "swiglu_backward", lambda *a: calls.append(1) or real(*a))
+    real_silu = torch.ops.aten.silu.out
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        cfg = MoEConfig(num_experts=7, top_k=2, d_expert=256, router=RouterConfig())
+        torch.manual_seed(0)
+        layer = MoELayer(64, cfg)
+        x = torch.randn(300, 64, generator=torch.Generator().manual_seed(2))
+        if dtype == "bf16":
+            layer = layer.to(torch.bfloat16)
+            layer.router.float()
+            x = x.to(torch.bfloat16)
+        auto = dtype == "autocast"
+        want = run(layer, x, False, autocast=auto)
+        monkeypatch.setattr(torch.ops.aten.silu, "out", lambda g, out: starts.append(g.shape[0]) or real_silu(g, out=out))
+        got = run(layer, x, True, autocast=auto)
+        assert_equal(got, want)
+    finally:
+        torch.set_num_threads(old_threads)
+    assert not calls  # the blocked path ran
+    assert starts == [256, 256, 88]
+
+
 def test_lean_with_shared_expert_and_masked_plan() -> None:
     # expert choice: a validity-masked plan (invalid pairs get no row; padding rows read row T)
     torch.manual_seed(0)

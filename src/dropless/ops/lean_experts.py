@@ -111,7 +111,7 @@ def _swiglu_recompute_backward(h_RW: torch.Tensor, w_R: torch.Tensor | None, da_
     ran it (`_row_aligned`; a block is at most one grain, so it runs on one thread): the same bits.
     Otherwise (a split inside a row) the whole-tensor functions themselves."""
     R, F_ = h_RW.shape[0], h_RW.shape[1] // 2
-    rows = max(1, _GRAIN // max(F_, 1))
+    rows = max(1, _GRAIN // max(F_, 1))  # rows of one grain: one thread's share of a block
     # The blocks are a CPU cache optimisation: on a GPU each block would be ~9 kernel launches (R / rows
     # blocks: thousands at real widths), so every other device runs the whole-tensor functions.
     # is_compiling first: _row_aligned asks torch.get_num_threads(), which dynamo cannot trace.
@@ -127,9 +127,13 @@ def _swiglu_recompute_backward(h_RW: torch.Tensor, w_R: torch.Tensor | None, da_
     wg_R1 = None if w_R is None else as_dtype(w_R, da_RF.dtype).unsqueeze(-1)
     want_w = w_R is not None and want_grad_w
     dw_R = h_RW.new_empty(R, dtype=torch.result_type(da_RF, h_RW)) if want_w else None
-    s = h_RW.new_empty(min(rows, R), F_)  # one block of silu(gate), reused
-    for r in range(0, R, rows):
-        n = min(rows, R - r)
+    # A block is one grain per thread (torch's split of it then falls on the block's grain boundaries,
+    # which are row boundaries); the rows left over after the whole blocks go one grain at a time.
+    whole = rows * max(1, torch.get_num_threads())
+    starts = list(range(0, R - R % whole, whole)) + list(range(R - R % whole, R, rows))
+    s = h_RW.new_empty(min(whole, R), F_)  # one block of silu(gate), reused
+    for r in starts:
+        n = min(whole if r < R - R % whole else rows, R - r)
         gate, up = h_RW[r:r + n].chunk(2, dim=-1)
         s_b, a, da = s[:n], a_RF[r:r + n], da_RF[r:r + n]
         torch.ops.aten.silu.out(gate, out=s_b)  # swiglu_forward, on this block
