@@ -62,9 +62,18 @@ def newton_schulz(g_BRC: torch.Tensor, steps: int = NS_STEPS,
     if tall:
         x = x.mT
     x = (x / (torch.linalg.matrix_norm(x, keepdim=True) + NS_EPS)).to(dtype)
+    fused = dtype == torch.bfloat16
     for _ in range(steps):
         a_BRR = x @ x.mT
-        x = a * x + (b * a_BRR + c * (a_BRR @ a_BRR)) @ x
+        if fused:
+            # bf16: the scalings ride in the GEMMs (beta * C + alpha * A @ B, one kernel: torch.optim.
+            # Muon's addmm form) instead of four element-wise passes a matrix, which on the CPU cost
+            # more than the bf16 products (module note), and each output is rounded once, not thrice.
+            # fp32 keeps the separate ops: MKL's batched GEMM with a beta term rounds a matrix
+            # differently by batch size, and batching must not change bits (module note).
+            x = torch.baddbmm(x, torch.baddbmm(a_BRR, a_BRR, a_BRR, beta=b, alpha=c), x, beta=a)
+        else:
+            x = a * x + (b * a_BRR + c * (a_BRR @ a_BRR)) @ x
     x = x.float()
     return x.mT if tall else x
 
@@ -108,7 +117,7 @@ def bucket_bytes(device: torch.device) -> int:
     return BUCKET_BYTES.get(device.type, 0)
 
 
-CPU_CHUNK_BYTES = 2**20  # fp32 bytes of matrices per Newton-Schulz call on the CPU (module note)
+CPU_CHUNK_BYTES = 2**20  # bytes of matrices (in the iteration's dtype) per Newton-Schulz call on the CPU (module note)
 
 
 def ns_chunk_bytes(device: torch.device) -> int | None:
@@ -120,8 +129,8 @@ def ns_chunk_bytes(device: torch.device) -> int | None:
 def orthogonalise_many(us: list[torch.Tensor], splits: list[Split], rms_match: float | None = RMS_MATCH,
                        ns_dtype: torch.dtype = torch.float32, chunk_bytes: int | None = None) -> list[torch.Tensor]:
     """[orthogonalise(u, split) for each], the same bits, with the blocks of all of them grouped by
-    shape (wide orientation) and each group iterated `chunk_bytes` of fp32 matrices at a time (at
-    least one matrix; None: all at once)."""
+    shape (wide orientation) and each group iterated `chunk_bytes` of matrices (in `ns_dtype`) at a
+    time (at least one matrix; None: all at once)."""
     groups: dict[tuple[int, int], list[tuple[int, int, bool, torch.Tensor]]] = {}
     n_blocks = []
     for i, (u, split) in enumerate(zip(us, splits)):
@@ -137,8 +146,9 @@ def orthogonalise_many(us: list[torch.Tensor], splits: list[Split], rms_match: f
         # contiguous wide matrices whatever the batch (a transposed or sliced view would take other
         # GEMM and reduction paths: other bits)
         stacked = torch.cat([w for *_, w in items])
+        item = torch.empty((), dtype=ns_dtype).element_size()  # the iteration's matrices are in ns_dtype
         step = max(stacked.shape[0], 1) if chunk_bytes is None else \
-            max(1, chunk_bytes // (4 * stacked.shape[-2] * stacked.shape[-1]))
+            max(1, chunk_bytes // (item * stacked.shape[-2] * stacked.shape[-1]))
         o = torch.cat([newton_schulz(part, dtype=ns_dtype) for part in stacked.split(step)]) \
             if stacked.shape[0] else newton_schulz(stacked, dtype=ns_dtype)
         for (i, j, tall, w), o_BRC in zip(items, o.split([w.shape[0] for *_, w in items])):
