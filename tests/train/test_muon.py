@@ -114,6 +114,11 @@ def test_muon_ns_dtype_config_and_auto() -> None:
     cfg = load_config(None, ["train.optimizer=muon", "train.muon_ns_dtype=auto"])
     assert build_optimizer(_model(), cfg.train, torch.bfloat16).ns_dtype == torch.bfloat16
     assert build_optimizer(_model(), cfg.train, None).ns_dtype == torch.float32
+    # the default is auto (docs/optimizers.md: bf16 measured no worse on three seeds): a bf16 run
+    # iterates in bf16, an fp32 run in fp32
+    default = load_config(None, ["train.optimizer=muon"]).train
+    assert build_optimizer(_model(), default, torch.bfloat16).ns_dtype == torch.bfloat16
+    assert build_optimizer(_model(), default, None).ns_dtype == torch.float32
 
 
 def test_newton_schulz_is_the_quintic_iteration() -> None:

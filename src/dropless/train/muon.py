@@ -13,11 +13,12 @@ SVD:
 run on the wide orientation (X transposed when it has more rows than columns, so A is the small
 Gram matrix). These quintic coefficients (Jordan's) are tuned for speed, not convergence: they push
 every singular value that is not tiny into a band around 1 (about 0.7 to 1.2) rather than onto 1,
-which trains as well as the exact polar factor. The iteration runs in fp32 by default; `ns_dtype=bf16`
-(`train.muon_ns_dtype`, "auto" = the forward's autocast dtype) runs it in bf16 as Jordan's code does,
-but normalises in fp32 first; the 15 GEMMs per block run in bf16 (about 3-4x faster on a CPU with
-AMX or on a GPU; without AMX a bf16 matmul runs at about half the fp32 speed, so "auto" keeps fp32
-there), and the result stays in the fp32 band (tests/tolerances.py).
+which trains as well as the exact polar factor. `ns_dtype=bf16` runs the iteration in bf16 as Jordan's
+code does, but normalises in fp32 first; the 15 GEMMs per block run in bf16 (about 3-4x faster on a
+CPU with AMX or on a GPU; without AMX a bf16 matmul runs at about half the fp32 speed), with the
+scalings inside the GEMMs (torch.optim.Muon's addmm form), and the result stays in the fp32 band
+(tests/tolerances.py). The trainer's default, `train.muon_ns_dtype = "auto"`, follows the forward's
+autocast dtype: bf16 on CUDA and AMX CPUs, fp32 elsewhere.
 
 What is a matrix. Each 2-D weight in the sense of the layer that uses it, not of its storage:
 * routed experts (`GroupedExperts`, [E, D, 2F] and [E, F, D]): each expert's slice separately, a
