@@ -59,7 +59,8 @@ spreading whole matrices round-robin would save that for a scatter, not worth it
 
 Batching (muon_ns.py): the matrices of one shape share the Newton-Schulz iterations (CUDA: every
 parameter of a bucket of updates; the CPU: about 1 MiB of matrices at a time, which stays in cache). Each
-matrix is iterated on its own either way, so the batching changes no bits.
+matrix is iterated on its own either way, so the batching changes at most where the BLAS rounds
+(muon_ns.py: no bits in bf16, fp32 noise on one MKL path).
 
 Skipping a step on the device. Like fused AdamW and AdamWBF16, `step()` reads an optional attribute
 `found_inf` (float scalar tensor, 1.0 = skip): parameters, momenta, moments and step counts are left

@@ -5,9 +5,11 @@ Tensor names: u_* Nesterov update, o_* orthogonalised update; *_BRC a batch of B
 and C columns.
 
 Batching (`orthogonalise_many`). Every block of every parameter is an independent matrix with its
-own normalisation and Gram matrices, so which matrices share a batched product changes no bits (a
-batched GEMM computes each matrix apart: tests/train/test_muon.py checks `torch.equal`). What it
-changes is the speed, and the best batch differs by device:
+own normalisation and Gram matrices, so which matrices share a batched product changes nothing but
+roundings the BLAS may place by batch size: in bf16 (oneDNN) none, bit for bit under its AMX, AVX-512
+and AVX2 paths; in fp32 none on MKL's AMX and AVX-512 paths, and on its AVX2 path of an AMX Xeon up
+to 1.3e-6 on entries of ~0.1 (tests/train/test_muon.py: `torch.equal` in bf16, REFERENCE in fp32).
+What it changes is the speed, and the best batch differs by device:
 * CUDA: one launch per product for all same-shape matrices of a bucket of parameters (the experts
   of every layer, the gate and up halves, q, k, v and the output projection when square): 15
   launches per shape instead of 15 per block. A bucket holds at most `BUCKET_BYTES` of updates (the
@@ -75,7 +77,8 @@ def newton_schulz(g_BRC: torch.Tensor, steps: int = NS_STEPS,
             # Muon's addmm form) instead of four element-wise passes a matrix, which on the CPU cost
             # more than the bf16 products (module note), and each output is rounded once, not thrice.
             # fp32 keeps the separate ops: MKL's batched GEMM with a beta term rounds a matrix
-            # differently by batch size, and batching must not change bits (module note).
+            # differently by batch size even on its AMX and AVX-512 paths, where the plain
+            # products do not (module note).
             x = torch.baddbmm(x, torch.baddbmm(a_BRR, a_BRR, a_BRR, beta=b, alpha=c), x, beta=a)
         else:
             x = a * x + (b * a_BRR + c * (a_BRR @ a_BRR)) @ x
