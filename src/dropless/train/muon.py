@@ -219,12 +219,9 @@ class Muon(torch.optim.Optimizer):
         mu = group["momentum"]
         buf = _local(self.state[p]["momentum_buffer"])
         g = _local(p.grad).float()
-        if skip is None:
-            buf.lerp_(g, 1 - mu)  # the same kernel as the out-of-place lerp: the same bits
-            return g.lerp(buf, mu)  # Nesterov
         m = buf.lerp(g, 1 - mu)
         u = g.lerp(m, mu)  # Nesterov
-        torch.where(skip, buf, m, out=buf)  # into the buffer: no [param]-sized copy after it
+        buf.copy_(m if skip is None else torch.where(skip, buf, m))
         return u
 
     def _muon_update(self, bucket: list[tuple[torch.Tensor, dict, torch.Tensor, torch.Tensor]],
@@ -241,10 +238,7 @@ class Muon(torch.optim.Optimizer):
             w = _local(p)
             new_w = w * (1 - lr * wd)
             new_w -= lr * _local_part(o, p, gathered=full is not u)
-            if skip is None:
-                w.copy_(new_w)
-            else:
-                torch.where(skip, w, new_w, out=w)  # into the weight: no [param]-sized copy after it
+            w.copy_(new_w if skip is None else torch.where(skip, w, new_w))
 
     def _adamw(self, p: torch.Tensor, group: dict, found_inf: torch.Tensor | None,
                skip: torch.Tensor | None) -> None:

@@ -58,11 +58,10 @@ class Split:
 
 
 def newton_schulz(g_BRC: torch.Tensor, steps: int = NS_STEPS,
-                  dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The quintic Newton-Schulz iteration on a batch of matrices [B, R, C], each on its own
     (its own Frobenius normalisation, its own Gram matrices). The normalisation is fp32; the iteration
-    runs in `dtype` (fp32 or bf16); the result is fp32, written into `out` when given (a bf16 result is
-    then widened by the copy itself: the same values, one pass fewer than widening, then copying)."""
+    runs in `dtype` (fp32 or bf16); the result is fp32."""
     a, b, c = NS_COEFFS
     x = g_BRC.float()
     tall = x.shape[-2] > x.shape[-1]
@@ -82,8 +81,8 @@ def newton_schulz(g_BRC: torch.Tensor, steps: int = NS_STEPS,
             x = torch.baddbmm(x, torch.baddbmm(a_BRR, a_BRR, a_BRR, beta=b, alpha=c), x, beta=a)
         else:
             x = a * x + (b * a_BRR + c * (a_BRR @ a_BRR)) @ x
-    x = x.mT if tall else x
-    return x.float() if out is None else out.copy_(x)
+    x = x.float()
+    return x.mT if tall else x
 
 
 def scale_of(rows: int, cols: int, out_axis: int, rms_match: float | None) -> float:
@@ -157,27 +156,14 @@ def orthogonalise_many(us: list[torch.Tensor], splits: list[Split], rms_match: f
         item = torch.empty((), dtype=ns_dtype).element_size()  # the iteration's matrices are in ns_dtype
         step = max(stacked.shape[0], 1) if chunk_bytes is None else \
             max(1, chunk_bytes // (item * stacked.shape[-2] * stacked.shape[-1]))
-        o = torch.empty_like(stacked)  # each chunk's result written in place: no cat of the chunks
-        for part, o_part in zip(stacked.split(step), o.split(step)):
-            newton_schulz(part, dtype=ns_dtype, out=o_part)
+        o = torch.cat([newton_schulz(part, dtype=ns_dtype) for part in stacked.split(step)]) \
+            if stacked.shape[0] else newton_schulz(stacked, dtype=ns_dtype)
         for (i, j, tall, w), o_BRC in zip(items, o.split([w.shape[0] for *_, w in items])):
             done[i, j] = o_BRC.mT if tall else o_BRC
     out = []
-    # eager: each block scaled straight into its slice of the whole update (no cat of the scaled
-    # blocks); traced (train.compile=step): dynamo takes no strided out= tensor, and inductor fuses
-    # the multiplies with the cat anyway. The same values either way.
-    into_slices = not torch.compiler.is_compiling()
     for i, (u, split) in enumerate(zip(us, splits)):
-        scaled = [(done[i, j], scale_of(done[i, j].shape[-2], done[i, j].shape[-1], split.out_axis, rms_match))
-                  for j in range(n_blocks[i])]
-        if len(scaled) == 1 or not into_slices:
-            outs = [blk * scale for blk, scale in scaled]
-            o_BRC = torch.cat(outs, dim=split.axis) if len(outs) > 1 else outs[0]
-        else:
-            o_BRC = u.new_empty(u.shape if split.batched else (1, *u.shape), dtype=torch.float32)
-            at = 0
-            for blk, scale in scaled:
-                torch.mul(blk, scale, out=o_BRC.narrow(split.axis, at, blk.shape[split.axis]))
-                at += blk.shape[split.axis]
+        outs = [done[i, j] * scale_of(done[i, j].shape[-2], done[i, j].shape[-1], split.out_axis, rms_match)
+                for j in range(n_blocks[i])]
+        o_BRC = torch.cat(outs, dim=split.axis) if len(outs) > 1 else outs[0]
         out.append(o_BRC if split.batched else o_BRC.squeeze(0))
     return out
