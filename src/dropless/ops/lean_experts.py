@@ -108,7 +108,8 @@ def _swiglu_recompute_backward(h_RW: torch.Tensor, w_R: torch.Tensor | None, da_
     the backward's read each block from memory about once instead of once per op, and no [R, F]
     silu(gate) is allocated (a_RF stays whole: dW2 needs it). The same ops on the same strided
     halves in the same order per element, each row from its first column as the whole-tensor calls
-    ran it (`_row_aligned`; a block is at most one grain, so it runs on one thread): the same bits.
+    ran it (`_row_aligned`; a block is one grain per thread, so torch splits it on grain, hence
+    row, boundaries): the same bits.
     Otherwise (a split inside a row) the whole-tensor functions themselves."""
     R, F_ = h_RW.shape[0], h_RW.shape[1] // 2
     rows = max(1, _GRAIN // max(F_, 1))  # rows of one grain: one thread's share of a block
@@ -130,10 +131,10 @@ def _swiglu_recompute_backward(h_RW: torch.Tensor, w_R: torch.Tensor | None, da_
     # A block is one grain per thread (torch's split of it then falls on the block's grain boundaries,
     # which are row boundaries); the rows left over after the whole blocks go one grain at a time.
     whole = rows * max(1, torch.get_num_threads())
-    starts = list(range(0, R - R % whole, whole)) + list(range(R - R % whole, R, rows))
+    cut = R - R % whole
+    blocks = [(r, whole) for r in range(0, cut, whole)] + [(r, min(rows, R - r)) for r in range(cut, R, rows)]
     s = h_RW.new_empty(min(whole, R), F_)  # one block of silu(gate), reused
-    for r in starts:
-        n = min(whole if r < R - R % whole else rows, R - r)
+    for r, n in blocks:
         gate, up = h_RW[r:r + n].chunk(2, dim=-1)
         s_b, a, da = s[:n], a_RF[r:r + n], da_RF[r:r + n]
         torch.ops.aten.silu.out(gate, out=s_b)  # swiglu_forward, on this block

@@ -135,9 +135,9 @@ def ns_chunk_bytes(device: torch.device) -> int | None:
 
 def orthogonalise_many(us: list[torch.Tensor], splits: list[Split], rms_match: float | None = RMS_MATCH,
                        ns_dtype: torch.dtype = torch.float32, chunk_bytes: int | None = None) -> list[torch.Tensor]:
-    """[orthogonalise(u, split) for each], the same bits, with the blocks of all of them grouped by
-    shape (wide orientation) and each group iterated `chunk_bytes` of matrices (in `ns_dtype`) at a
-    time (at least one matrix; None: all at once)."""
+    """[orthogonalise(u, split) for each] (the same bits where the BLAS allows: module note), with
+    the blocks of all of them grouped by shape (wide orientation) and each group iterated
+    `chunk_bytes` of matrices (in `ns_dtype`) at a time (at least one matrix; None: all at once)."""
     groups: dict[tuple[int, int], list[tuple[int, int, bool, torch.Tensor]]] = {}
     n_blocks = []
     for i, (u, split) in enumerate(zip(us, splits)):
@@ -149,11 +149,11 @@ def orthogonalise_many(us: list[torch.Tensor], splits: list[Split], rms_match: f
             wide = blk.mT if tall else blk
             groups.setdefault((wide.shape[-2], wide.shape[-1]), []).append((i, j, tall, wide))
     done: dict[tuple[int, int], torch.Tensor] = {}
+    item = torch.finfo(ns_dtype).bits // 8  # bytes of one element of the iteration's matrices
     for items in groups.values():
         # contiguous wide matrices whatever the batch (a transposed or sliced view would take other
         # GEMM and reduction paths: other bits)
         stacked = torch.cat([w for *_, w in items])
-        item = torch.empty((), dtype=ns_dtype).element_size()  # the iteration's matrices are in ns_dtype
         step = max(stacked.shape[0], 1) if chunk_bytes is None else \
             max(1, chunk_bytes // (item * stacked.shape[-2] * stacked.shape[-1]))
         o = torch.cat([newton_schulz(part, dtype=ns_dtype) for part in stacked.split(step)]) \
