@@ -15,7 +15,7 @@ import torch
 
 from dropless.config import MoEConfig, RouterConfig, load_config
 from dropless.layers.moe import MoELayer
-from dropless.ops import routing
+from dropless.ops import grouped_gemm, routing
 from dropless.ops.lean_experts import RowSource, lean_experts, lean_experts_reference
 from dropless.saved_bytes import saved_bytes
 
@@ -35,6 +35,10 @@ SHAPES = {
     "kE": (12, 16, 4, 4, 8, {}),
     # align=4: padding rows (src_R = T, the zero row) inside the groups and past the last one
     "align4": (24, 16, 8, 2, 12, {"align": 4}),
+    # 512 rows per group in bf16 on the CPU: the uniform plan (every group C rows, batched matmuls)
+    "uniform": (1024, 16, 4, 2, 8, {}),
+    # ... with an expert that gets no rows: its group is all padding
+    "uniform_empty": (768, 16, 4, 2, 8, {"bias": [0, 0, -100.0, 0]}),
 }
 ACTIVATIONS = {
     "swiglu": {},  # the fused path
@@ -106,6 +110,23 @@ def test_lean_equals_keep_act_bf16_and_autocast(shape: str) -> None:
     layer.router.float()
     xb = x.to(torch.bfloat16)
     assert_equal(run(layer, xb, True), run(layer, xb, False))
+
+
+@pytest.mark.parametrize("act", ["swiglu", "geglu"])
+@pytest.mark.parametrize("shape", ["uniform", "uniform_empty"])
+def test_lean_equals_keep_act_on_a_uniform_plan(shape: str, act: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 autocast on the CPU, groups even enough for the uniform plan: the lean Function runs
+    bmm's forward and its autograd backward products, as the plain path's bmm (grouped_gemm.py)."""
+    monkeypatch.setattr(grouped_gemm, "UNIFORM_LIMIT", {})
+    monkeypatch.setattr(grouped_gemm, "UNIFORM_LIMIT_THREADED", 2.0)
+    layer, x = build(shape, act)
+    with torch.autocast("cpu", torch.bfloat16):
+        batch, _ = layer.dispatcher.dispatch(x, layer.router(x))
+    assert batch.capacity is not None and batch.x_RD.shape[0] == 4 * batch.capacity
+    lean = run(layer, x, True, autocast=True)
+    assert_equal(lean, run(layer, x, False, autocast=True))
+    if shape == "uniform_empty":
+        assert torch.count_nonzero(lean["grad experts.w_gate_up_EDF"][2]) == 0
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -7,7 +7,8 @@ its overrides, importing dropless from SRC_DIR, and runs STEPS_PER_TURN optimize
 (the loop's per-step work: train_step, and on every 10th step the log row). The parent alternates the
 order every round, so slow drift of a shared machine's load hits every variant alike; tokens/s =
 batch_size * seq_len * steps / seconds of each turn, and each round's ratio to the first variant.
-docs/training_speed.md, "Where a CPU training step goes".
+With TURNS_INIT=<checkpoint folder> every worker starts from those weights (a trained model routes
+far more evenly than the init). docs/training_speed.md, "Where a CPU training step goes".
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ def worker(preset: str, sets: list[str]) -> None:
 
     cfg = load_config(preset, ["log.progress=false", "log.plots=false", *sets])
     tr = Trainer(cfg, tempfile.mkdtemp())
+    if os.environ.get("TURNS_INIT"):  # a trained checkpoint: the routing of a trained model, not the init's
+        from dropless.runs.dist_checkpoint import load_full_model
+        load_full_model(os.environ["TURNS_INIT"], tr.model)
     print("ready", tr.layout.placement.describe(), "threads", torch.get_num_threads(),
           "tokens/step", cfg.train.batch_size * cfg.train.seq_len * cfg.train.grad_accum, flush=True)
     step = 0

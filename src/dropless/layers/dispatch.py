@@ -33,7 +33,9 @@ The layer asks a dispatcher these and nothing else; every dispatcher answers eac
   low-precision recipe's token block, else 1); `dispatch_align` combines it with `moe.align`, and
   both factories (`build_dispatcher` here, `distributed.ep.build_ep_dispatcher`) take it from there.
   The local dispatcher also rounds groups up to `grouped_gemm.row_bucket` rows for bf16 GEMMs on the
-  CPU (oneDNN caches one kernel per shape; ragged groups would make a new one nearly every call).
+  CPU (oneDNN caches one kernel per shape; ragged groups would make a new one nearly every call),
+  and, where the groups are nearly even, pads them all to the largest (`grouped_gemm.uniform_limit`:
+  one batched matmul splits over the cores where a matmul per expert does not).
 """
 
 from __future__ import annotations
@@ -133,18 +135,23 @@ class LocalDispatcher:
     def allows_decode_path(self) -> bool:
         return self.capacity_factor is None  # the capacity layout drops by position in a group
 
-    def plan(self, decision: RoutingDecision, bucket: int = 1) -> P.RoutingPlan:
-        """`bucket`: a further row alignment of the dropless plan (`grouped_gemm.row_bucket`)."""
+    def plan(self, decision: RoutingDecision, bucket: int = 1,
+             uniform_limit: float | None = None) -> P.RoutingPlan:
+        """`bucket`: a further row alignment of the dropless plan (`grouped_gemm.row_bucket`);
+        `uniform_limit`: pad the groups to one size when it costs at most that factor of rows
+        (`grouped_gemm.uniform_limit`; token-choice plans only)."""
         if self.capacity_factor is None:
             align = math.lcm(self.align, bucket)
-            return P.make_plan(decision.ids_TK, self.num_experts, align, decision.valid_TK)
+            limit = uniform_limit if decision.valid_TK is None else None
+            return P.make_plan(decision.ids_TK, self.num_experts, align, decision.valid_TK, limit)
         if decision.valid_TK is not None:
             raise ValueError("the capacity baseline takes token-choice routing only (valid_TK given)")
         return P.make_capacity_plan(decision.ids_TK, decision.weights_TK, self.num_experts,
                                     self.capacity_factor, self.drop_policy, self.align)
 
     def dispatch(self, x_TD: torch.Tensor, decision: RoutingDecision) -> tuple[ExpertBatch, LocalMeta]:
-        plan = self.plan(decision, grouped_gemm.row_bucket(x_TD, decision.ids_TK.numel() / self.num_experts))
+        bucket = grouped_gemm.row_bucket(x_TD, decision.ids_TK.numel() / self.num_experts)
+        plan = self.plan(decision, bucket, grouped_gemm.uniform_limit(x_TD, bucket))
         weights_R = P.permute_weights(decision.weights_TK, plan)
         # the source lets the lean experts re-gather x_RD in the backward instead of keeping it; its
         # row index is the one combine's backward keeps (one storage for both)

@@ -124,8 +124,8 @@ def expert_gemm(x_RD: torch.Tensor, w_EDF: torch.Tensor, batch: ExpertBatch, bac
     """One grouped GEMM of the batch's rows by their experts' weights, on `backend` (module note)."""
     if precision != quant_gemm.FULL_PRECISION:
         return quant_gemm.quant_grouped_mm(x_RD, w_EDF, batch.offsets_E, precision)
-    if backend == "grouped_mm":
-        return grouped_gemm.grouped_mm(x_RD, w_EDF, batch.offsets_E)
+    if backend == "grouped_mm":  # uniform groups (a capacity or uniform plan): one batched matmul
+        return grouped_gemm.grouped_mm(x_RD, w_EDF, batch.offsets_E, batch.capacity)
     if backend == "padded_bmm":
         if batch.capacity is None:
             raise ValueError("backend='padded_bmm' needs the capacity layout (capacity_factor set)")
@@ -175,7 +175,7 @@ def run_experts(spec: GroupedExperts | nn.Module, x_RD: torch.Tensor, w1_EDW: to
         if w_R is not None and w_R.dtype != x_RD.dtype:
             w_R = w_R.to(x_RD.dtype)
         return lean_experts(x_RD, w1_EDW, w2_EFD, batch.offsets_E, w_R, batch.source,
-                            spec.kind, spec.clamp, spec.softcap, spec.backend, dequant)
+                            spec.kind, spec.clamp, spec.softcap, spec.backend, dequant, batch.capacity)
     if dequant is not None:  # the plain composition: autograd keeps the weights
         w1_EDW, w2_EFD = dequant()
     h_R2F = expert_gemm(x_RD, w1_EDW, batch, spec.backend, spec.precision)

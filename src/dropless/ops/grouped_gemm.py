@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 from .grouped_mm_op import _native, traced
 
@@ -68,6 +69,31 @@ def row_bucket(x: torch.Tensor, rows_per_group: float) -> int:
     return CPU_LOWP_ROW_BUCKET if dtype in (torch.bfloat16, torch.float16) else 1
 
 
+# The same per-expert matmuls use the two cores badly: a group of a few hundred rows is too small a
+# product to split over threads (16 x 512 x 256 x 512 bf16 on the 2-core AMX CPU: grouped_mm 2.1 ms at
+# 2 threads, 2.5 at 1; two Python threads of one-thread matmuls did not help), while one batched matmul
+# over the same groups splits the batch: 0.95 ms at 2 threads, 1.7 at 1. So on the CPU a plan whose
+# groups are nearly even pads them all to the largest (permute.make_plan `uniform_limit`) and the
+# experts run `torch.bmm`. The four products of a layer's forward and backward (E 16, D 256, F 256
+# SwiGLU), bmm over E*C rows against grouped_mm over the aligned rows, with one group C rows long:
+#   rows E*C / aligned  1.00  1.23  1.45  1.98
+#   2 threads           0.46  0.56  0.64  0.83
+#   1 thread            0.69  0.83  0.98  1.31
+# The limits sit below break-even (~2.2 and ~1.45). Padding rows cost memory too: the kept
+# pre-activation grows by the same factor (docs/memory.md).
+UNIFORM_LIMIT = {1: 1.25}
+UNIFORM_LIMIT_THREADED = 1.75
+
+
+def uniform_limit(x: torch.Tensor, bucket: int) -> float | None:
+    """The most padding (as a factor of rows) worth a batched matmul over uniform groups for rows like
+    `x`, or None where plans stay ragged: only where `row_bucket` pads (bf16/fp16 on the CPU, large
+    groups), never under torch.compile or on fake tensors (the decision reads counts on the host)."""
+    if bucket <= 1 or torch.compiler.is_compiling() or is_fake(x):
+        return None
+    return UNIFORM_LIMIT.get(torch.get_num_threads(), UNIFORM_LIMIT_THREADED)
+
+
 def grouped_mm_reference(x_RD: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     ends = offsets_E.tolist()
     starts = [0] + ends[:-1]
@@ -97,7 +123,11 @@ def _pad_to(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
-def grouped_mm(x_RD: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+def grouped_mm(x_RD: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor,
+               group_rows: int | None = None) -> torch.Tensor:
+    """`group_rows`: every group is that many rows (a uniform plan): one batched matmul."""
+    if group_rows is not None:
+        return padded_bmm(x_RD, w_EDF, group_rows)
     if _native is None:
         raise RuntimeError("this torch has no grouped_mm; use backend='loop' or torch >= 2.9")
     mult = 16 // x_RD.element_size()
@@ -119,10 +149,14 @@ def _padded(x_RD: torch.Tensor, D: int, Fo: int) -> tuple[int, int]:
 
 
 def grouped_dgrad(g_RF: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor,
-                  backend: str = "grouped_mm") -> torch.Tensor:
+                  backend: str = "grouped_mm", group_rows: int | None = None) -> torch.Tensor:
     """dx_RD of y = grouped_mm(x_RD, w_EDF): g_RF @ w_EDF[e]^T on group e. Rows past the last group
-    end are left uninitialised ("grouped_mm", as autograd's) or zero ("loop"): nothing reads them."""
+    end are left uninitialised ("grouped_mm", as autograd's) or zero ("loop"): nothing reads them.
+    `group_rows` (uniform groups, "grouped_mm"): bmm's own backward product."""
     D, Fo = w_EDF.shape[-2:]
+    if group_rows is not None and backend == "grouped_mm":
+        E = w_EDF.shape[0]
+        return torch.bmm(g_RF.view(E, group_rows, Fo), w_EDF.transpose(-2, -1)).view(E * group_rows, D)
     if backend == "loop":
         ends = offsets_E.tolist()
         parts = [g_RF[s:e].mm(w_EDF[i].t()) for i, (s, e) in enumerate(zip([0] + ends[:-1], ends))]
@@ -139,10 +173,14 @@ def grouped_dgrad(g_RF: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tens
 
 
 def grouped_wgrad(x_RD: torch.Tensor, g_RF: torch.Tensor, offsets_E: torch.Tensor,
-                  backend: str = "grouped_mm") -> torch.Tensor:
+                  backend: str = "grouped_mm", group_rows: int | None = None) -> torch.Tensor:
     """dw_EDF of y = grouped_mm(x_RD, w_EDF): x^T @ g summed over group e's rows (zero for an empty
-    group; rows past the last group end are not read)."""
+    group; rows past the last group end are not read). `group_rows` (uniform groups, "grouped_mm"):
+    bmm's own backward product."""
     D, Fo = x_RD.shape[-1], g_RF.shape[-1]
+    if group_rows is not None and backend == "grouped_mm":
+        E = offsets_E.shape[0]
+        return torch.bmm(x_RD.view(E, group_rows, D).transpose(1, 2), g_RF.view(E, group_rows, Fo))
     if backend == "loop":
         ends = offsets_E.tolist()
         return torch.stack([x_RD[s:e].t().mm(g_RF[s:e]) for s, e in zip([0] + ends[:-1], ends)])

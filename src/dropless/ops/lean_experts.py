@@ -66,9 +66,10 @@ class RowSource:
     padded: bool
 
 
-def _gemm(x_RD: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor, backend: str) -> torch.Tensor:
+def _gemm(x_RD: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor, backend: str,
+          group_rows: int | None = None) -> torch.Tensor:
     if backend == "grouped_mm":
-        return grouped_gemm.grouped_mm(x_RD, w_EDF, offsets_E)
+        return grouped_gemm.grouped_mm(x_RD, w_EDF, offsets_E, group_rows)
     return grouped_gemm.grouped_mm_reference(x_RD, w_EDF, offsets_E)
 
 
@@ -169,20 +170,20 @@ class _LeanExperts(torch.autograd.Function):
     def forward(ctx, x_RD: torch.Tensor, x_TD: torch.Tensor | None, src_R: torch.Tensor | None,
                 padded: bool, w1_EDW: torch.Tensor, w2_EFD: torch.Tensor, offsets_E: torch.Tensor,
                 w_R: torch.Tensor | None, kind: str, clamp: float | None, softcap: float | None,
-                backend: str, dequant: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
-                ) -> torch.Tensor:
+                backend: str, dequant: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None,
+                group_rows: int | None = None) -> torch.Tensor:
         if dequant is not None:
             w1_EDW, w2_EFD = dequant()
-        h_RW = _gemm(x_RD, w1_EDW, offsets_E, backend)
+        h_RW = _gemm(x_RD, w1_EDW, offsets_E, backend, group_rows)
         if _fused(kind, clamp, softcap):
             a_RF, _ = swiglu_forward(h_RW, w_R)
         else:
             a_RF = _act(h_RW, w_R, kind, clamp, softcap)
-        y_RD = _gemm(a_RF, w2_EFD, offsets_E, backend)
+        y_RD = _gemm(a_RF, w2_EFD, offsets_E, backend, group_rows)
         # x_TD (a reference to the caller's tensor) instead of the [R, D] rows when there is a source
         keep_w = (None, None) if dequant is not None else (w1_EDW, w2_EFD)
         ctx.save_for_backward(x_RD if x_TD is None else x_TD, src_R, *keep_w, offsets_E, h_RW, w_R)
-        ctx.spec = (kind, clamp, softcap, backend, padded, x_RD.dtype)
+        ctx.spec = (kind, clamp, softcap, backend, padded, x_RD.dtype, group_rows)
         ctx.dequant = dequant
         ctx.w_dtype = None if w_R is None else w_R.dtype
         return y_RD
@@ -190,7 +191,7 @@ class _LeanExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_RD: torch.Tensor):
         x_saved, src_R, w1, w2, offsets_E, h_RW, w_R = ctx.saved_tensors
-        kind, clamp, softcap, backend, padded, x_dtype = ctx.spec
+        kind, clamp, softcap, backend, padded, x_dtype, rows = ctx.spec
         need = ctx.needs_input_grad
         need_x, need_w1, need_w2, need_wr = need[0], need[4], need[5], need[7]
         if ctx.dequant is not None:
@@ -200,18 +201,18 @@ class _LeanExperts(torch.autograd.Function):
         if _fused(kind, clamp, softcap):
             # da first (it does not need the activation), then the recompute and the SwiGLU backward
             # in one blocked pass, then dW2 from the recomputed activation: the same products
-            da_RF = grouped_gemm.grouped_dgrad(dy_RD, w2, offsets_E, backend)
+            da_RF = grouped_gemm.grouped_dgrad(dy_RD, w2, offsets_E, backend, rows)
             a_RF, dh_RW, dw_R = _swiglu_recompute_backward(h_RW, w_R, da_RF, need_wr, ctx.w_dtype)
             del da_RF
-            dw2 = grouped_gemm.grouped_wgrad(a_RF, dy_RD, offsets_E, backend) if need_w2 else None
+            dw2 = grouped_gemm.grouped_wgrad(a_RF, dy_RD, offsets_E, backend, rows) if need_w2 else None
             del a_RF
         else:
             with torch.enable_grad():
                 h_ = h_RW.detach().requires_grad_(True)
                 wr_ = None if w_R is None else w_R.detach().requires_grad_(need_wr)
                 a_RF = _act(h_, wr_, kind, clamp, softcap)
-            dw2 = grouped_gemm.grouped_wgrad(a_RF.detach(), dy_RD, offsets_E, backend) if need_w2 else None
-            da_RF = grouped_gemm.grouped_dgrad(dy_RD, w2, offsets_E, backend)
+            dw2 = grouped_gemm.grouped_wgrad(a_RF.detach(), dy_RD, offsets_E, backend, rows) if need_w2 else None
+            da_RF = grouped_gemm.grouped_dgrad(dy_RD, w2, offsets_E, backend, rows)
             inputs = [h_] + ([wr_] if wr_ is not None and need_wr else [])
             grads = torch.autograd.grad(a_RF, inputs, da_RF)
             dh_RW = grads[0]
@@ -220,43 +221,45 @@ class _LeanExperts(torch.autograd.Function):
         dw1 = None
         if need_w1:
             x_RD = x_saved if src_R is None else regather(RowSource(x_saved, src_R, padded), x_dtype)
-            dw1 = grouped_gemm.grouped_wgrad(x_RD, dh_RW, offsets_E, backend)
+            dw1 = grouped_gemm.grouped_wgrad(x_RD, dh_RW, offsets_E, backend, rows)
             del x_RD
-        dx_RD = grouped_gemm.grouped_dgrad(dh_RW, w1, offsets_E, backend) if need_x else None
-        return dx_RD, None, None, None, dw1, dw2, None, dw_R, None, None, None, None, None
+        dx_RD = grouped_gemm.grouped_dgrad(dh_RW, w1, offsets_E, backend, rows) if need_x else None
+        return dx_RD, None, None, None, dw1, dw2, None, dw_R, None, None, None, None, None, None
 
 
 def lean_experts(x_RD: torch.Tensor, w1_EDW: torch.Tensor, w2_EFD: torch.Tensor, offsets_E: torch.Tensor,
                  w_R: torch.Tensor | None = None, source: RowSource | None = None, kind: str = "swiglu",
                  clamp: float | None = None, softcap: float | None = None,
                  backend: str = "grouped_mm",
-                 dequant: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+                 dequant: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 group_rows: int | None = None) -> torch.Tensor:
     """y_RD = act(x_RD @ w1 per group) * w_R @ w2 per group, keeping only h (module note).
 
     `x_RD` carries the gradient (give the permuted rows, cast to the compute dtype); `source` says
     how to re-gather them in the backward (None: x_RD itself is kept). A frozen base stored narrow:
-    `dequant`, with w1 = w2 = None (module note)."""
+    `dequant`, with w1 = w2 = None (module note). `group_rows`: every group is that many rows (a
+    uniform plan, ops/grouped_gemm.py `uniform_limit`): "grouped_mm" runs batched matmuls."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: the lean experts run on {', '.join(BACKENDS)}")
     if (dequant is None) == (w1_EDW is None):
         raise ValueError("lean_experts: give the base weights or `dequant`, not both")
     if source is None:
         return _LeanExperts.apply(x_RD, None, None, False, w1_EDW, w2_EFD, offsets_E, w_R, kind, clamp,
-                                  softcap, backend, dequant)
+                                  softcap, backend, dequant, group_rows)
     return _LeanExperts.apply(x_RD, source.x_TD, source.src_R, source.padded, w1_EDW, w2_EFD, offsets_E,
-                              w_R, kind, clamp, softcap, backend, dequant)
+                              w_R, kind, clamp, softcap, backend, dequant, group_rows)
 
 
 def lean_experts_reference(x_RD: torch.Tensor, w1_EDW: torch.Tensor, w2_EFD: torch.Tensor,
                            offsets_E: torch.Tensor, w_R: torch.Tensor | None = None,
                            source: RowSource | None = None, kind: str = "swiglu",
                            clamp: float | None = None, softcap: float | None = None,
-                           backend: str = "grouped_mm") -> torch.Tensor:
+                           backend: str = "grouped_mm", group_rows: int | None = None) -> torch.Tensor:
     """The plain composition `lean_experts` replaces (autograd keeps every intermediate); `source`
     is ignored (the rows are the gradient path either way)."""
-    h_RW = _gemm(x_RD, w1_EDW, offsets_E, backend)
+    h_RW = _gemm(x_RD, w1_EDW, offsets_E, backend, group_rows)
     if _fused(kind, clamp, softcap):
         a_RF = weighted_swiglu(h_RW, w_R)
     else:
         a_RF = _act(h_RW, w_R, kind, clamp, softcap)
-    return _gemm(a_RF, w2_EFD, offsets_E, backend)
+    return _gemm(a_RF, w2_EFD, offsets_E, backend, group_rows)

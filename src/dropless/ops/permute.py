@@ -103,10 +103,12 @@ def bin_counts(keys_N: torch.Tensor, num_bins: int) -> torch.Tensor:
 
 
 def _aligned_rows(ids_P: torch.Tensor, order_P: torch.Tensor, counts_E: torch.Tensor,
-                  align: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows for the pairs in sorted order when each group is padded to a multiple of `align`:
-    (expert of each sorted pair, its row, the padded group ends)."""
-    padded_E = (counts_E + (align - 1)) // align * align
+                  align: int, padded_E: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows for the pairs in sorted order when each group is padded to a multiple of `align` (or to
+    the given `padded_E` rows): (expert of each sorted pair, its row, the padded group ends)."""
+    if padded_E is None:
+        padded_E = (counts_E + (align - 1)) // align * align
     ends_E = torch.cumsum(padded_E, 0)
     start_E = torch.cumsum(counts_E, 0) - counts_E
     ids_sorted = ids_P[order_P]
@@ -115,8 +117,13 @@ def _aligned_rows(ids_P: torch.Tensor, order_P: torch.Tensor, counts_E: torch.Te
 
 
 def make_plan(ids_TK: torch.Tensor, num_experts: int, align: int = 1,
-              valid_TK: torch.Tensor | None = None) -> RoutingPlan:
+              valid_TK: torch.Tensor | None = None, uniform_limit: float | None = None) -> RoutingPlan:
     """Dropless plan: every pair gets a row; groups padded to a multiple of `align` rows.
+
+    `uniform_limit` (the CPU only, ops/grouped_gemm.py `uniform_limit`): when padding every group to
+    the largest one's aligned size adds at most that factor of rows, every group gets that many rows
+    C (`capacity` = C, R = E*C: the uniform layout a batched matmul takes, still dropless, since C
+    holds the largest group). Deciding reads the counts on the host, which costs nothing on the CPU.
 
     With `valid_TK`, only valid pairs get rows: the invalid ones are sorted into a virtual expert E
     after the last group, whose rows are turned into padding (they read a zero row and nothing reads
@@ -137,16 +144,24 @@ def make_plan(ids_TK: torch.Tensor, num_experts: int, align: int = 1,
              if align == 1 and ids_P.dtype == torch.int64 else None)
     edges_E1 = edges_of_sorted(sorted_P, E, steps)
     counts_E = torch.diff(edges_E1)
-    if align == 1:  # the group ends are the bin edges: every id is < E
+    if align == 1 and uniform_limit is None:  # the group ends are the bin edges: every id is < E
         return RoutingPlan(T, K, E, P, counts_E, edges_E1[1:].to(torch.int32), _invert(order_P, steps),
                            order_P, bags_T=_bags(T, K, ids_P.device))
-    _, rows_sorted, ends_E = _aligned_rows(ids_P, order_P, counts_E, align)
-    R = P + E * (align - 1)  # static bound on sum(padded_E)
+    padded_E, C = None, None
+    if uniform_limit is not None:
+        padded_E = (counts_E + (align - 1)) // align * align
+        C = int(padded_E.max())  # a host read: the CPU only (docstring)
+        if E * C <= uniform_limit * int(padded_E.sum()):
+            padded_E = torch.full_like(counts_E, C)
+        else:
+            C = None
+    _, rows_sorted, ends_E = _aligned_rows(ids_P, order_P, counts_E, align, padded_E)
+    R = P + E * (align - 1) if C is None else E * C  # static bound on sum(padded_E), or the uniform rows
     row_of_P = torch.empty_like(order_P)
     row_of_P[order_P] = rows_sorted
     pair_of_R = torch.full((R,), P, dtype=torch.int64, device=ids_P.device)
     pair_of_R[rows_sorted] = order_P
-    return RoutingPlan(T, K, E, R, counts_E, ends_E.to(torch.int32), row_of_P, pair_of_R,
+    return RoutingPlan(T, K, E, R, counts_E, ends_E.to(torch.int32), row_of_P, pair_of_R, capacity=C,
                        bags_T=_bags(T, K, ids_P.device))
 
 
