@@ -75,8 +75,8 @@ def test_all_identity_batch_has_no_nan(monkeypatch: pytest.MonkeyPatch) -> None:
     # not, by chance): they are made NaN here, so the test does not depend on what memory held.
     real = grouped_gemm.grouped_dgrad
 
-    def garbage_tail(g_RF, w_EDF, offsets_E, backend="grouped_mm"):
-        out = real(g_RF, w_EDF, offsets_E, backend)
+    def garbage_tail(g_RF, w_EDF, offsets_E, backend="grouped_mm", group_rows=None):
+        out = real(g_RF, w_EDF, offsets_E, backend, group_rows)
         out[int(offsets_E[-1]):] = float("nan")
         return out
 
