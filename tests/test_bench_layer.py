@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dropless.bench import layer as bench
-from dropless.ops import permute as P
+from dropless.ops.capacity_plan import capacity
 from tolerances import assert_close
 
 
@@ -44,7 +44,7 @@ def test_bench_layer_tiny_runs(tmp_path) -> None:
     load = torch.bincount(ids.view(-1), minlength=E)
     assert r["max_vio"] == pytest.approx(float(load.max()) * E / (T * K) - 1, rel=1e-6)
     # padded_capacity's factor is the smallest that drops nothing: C equals the largest load
-    assert P.capacity(T, K, E, r["capacity_factor"]) == int(load.max())
+    assert capacity(T, K, E, r["capacity_factor"]) == int(load.max())
 
 
 @pytest.mark.parametrize("routing", ["balanced", "skewed"])

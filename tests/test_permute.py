@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dropless.ops import permute as P
+from dropless.ops.capacity_plan import make_capacity_plan
 
 
 def random_ids(T: int, E: int, K: int, seed: int = 0) -> torch.Tensor:
@@ -59,11 +60,11 @@ def test_capacity_plan_drops_and_pads() -> None:
     # 6 tokens all on expert 0 with K=1, E=2, factor 1.0 -> C = 3: three kept, three dropped.
     ids = torch.zeros(6, 1, dtype=torch.long)
     w = torch.tensor([[0.1], [0.9], [0.5], [0.7], [0.2], [0.8]])
-    plan = P.make_capacity_plan(ids, w, 2, 1.0, "position")
+    plan = make_capacity_plan(ids, w, 2, 1.0, "position")
     assert plan.capacity == 3 and plan.num_rows == 6
     assert plan.keep_P.tolist() == [True, True, True, False, False, False]
     assert int(plan.pairs_dropped()) == 3
-    by_score = P.make_capacity_plan(ids, w, 2, 1.0, "score")
+    by_score = make_capacity_plan(ids, w, 2, 1.0, "score")
     assert by_score.keep_P.tolist() == [False, True, False, True, False, True]
     # expert 1's rows are all padding
     assert bool((plan.pair_of_R[3:] == 6).all())
@@ -71,7 +72,7 @@ def test_capacity_plan_drops_and_pads() -> None:
 
 def test_capacity_big_enough_drops_nothing() -> None:
     ids = random_ids(20, 6, 2)
-    plan = P.make_capacity_plan(ids, torch.rand(20, 2), 6, capacity_factor=3.0)
+    plan = make_capacity_plan(ids, torch.rand(20, 2), 6, capacity_factor=3.0)
     assert int(plan.pairs_dropped()) == 0
     assert plan.capacity == 20  # ceil(3 * 20 * 2 / 6)
 
@@ -103,7 +104,7 @@ def test_unpermute_masks_dropped_pairs_of_a_capacity_plan() -> None:
     # Dropped pairs point at row 0 (another pair's row): they must count zero, with zero gradient.
     ids = torch.zeros(6, 1, dtype=torch.long)
     w = torch.tensor([[0.1], [0.9], [0.5], [0.7], [0.2], [0.8]], dtype=torch.float64, requires_grad=True)
-    plan = P.make_capacity_plan(ids, w, 2, 1.0, "position")
+    plan = make_capacity_plan(ids, w, 2, 1.0, "position")
     x = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
     folded = P.unpermute(P.permute(x, plan) * P.permute_weights(w, plan).unsqueeze(-1), plan)
     weighted = P.combine(P.permute(x, plan), w, plan)
@@ -117,7 +118,7 @@ def test_permute_gradient_of_dropped_pairs_is_zero() -> None:
     # Regression: a dropped pair's row_of_P points at row 0, so permute's backward used to hand the
     # dropped token the gradient of whichever pair sits in row 0.
     ids = torch.zeros(6, 1, dtype=torch.long)
-    plan = P.make_capacity_plan(ids, torch.rand(6, 1), 2, 1.0, "position")
+    plan = make_capacity_plan(ids, torch.rand(6, 1), 2, 1.0, "position")
     x = torch.randn(6, 4, requires_grad=True)
     P.permute(x, plan).sum().backward()
     assert torch.equal(x.grad, torch.cat([torch.ones(3, 4), torch.zeros(3, 4)]))

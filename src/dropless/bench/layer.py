@@ -52,7 +52,7 @@ from .. import atomic
 from ..config import MoEConfig
 from ..layers.mlp import MLP
 from ..layers.moe import MoELayer
-from ..ops import permute as P
+from ..ops.capacity_plan import capacity
 from ..ops.activations import weighted_swiglu
 from . import hf_baseline
 from .timing import format_table, interleaved
@@ -211,7 +211,7 @@ def build_forwards(shape: str, routing: str, dtype: torch.dtype, seed: int = 0,
     # Smallest factor whose capacity C = ceil(factor * P / E) equals the largest load: drops nothing.
     max_load = int(torch.bincount(host_ids_TK.reshape(-1), minlength=E).max())
     factor = max_load * E / (T * K)
-    while P.capacity(T, K, E, factor) < max_load:
+    while capacity(T, K, E, factor) < max_load:
         factor *= 1 + 1e-9
     if want("padded_capacity"):
         padded = moe(capacity_factor=factor)

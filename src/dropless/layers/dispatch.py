@@ -51,6 +51,7 @@ from ..config import MoEConfig
 from ..expert_slots import ExpertSlots
 from ..ops import grouped_gemm
 from ..ops import permute as P
+from ..ops.capacity_plan import make_capacity_plan
 from ..ops.lean_experts import RowSource
 from .experts import ExpertBatch, GroupedExperts
 from .router import RoutingDecision
@@ -146,7 +147,7 @@ class LocalDispatcher:
             return P.make_plan(decision.ids_TK, self.num_experts, align, decision.valid_TK, limit)
         if decision.valid_TK is not None:
             raise ValueError("the capacity baseline takes token-choice routing only (valid_TK given)")
-        return P.make_capacity_plan(decision.ids_TK, decision.weights_TK, self.num_experts,
+        return make_capacity_plan(decision.ids_TK, decision.weights_TK, self.num_experts,
                                     self.capacity_factor, self.drop_policy, self.align)
 
     def dispatch(self, x_TD: torch.Tensor, decision: RoutingDecision) -> tuple[ExpertBatch, LocalMeta]:
