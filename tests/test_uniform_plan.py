@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from dropless.layers.dispatch import LocalDispatcher
 from dropless.layers.moe import MoELayer
 from dropless.moe_config import MoEConfig
 from dropless.ops import grouped_gemm
@@ -39,7 +40,8 @@ def check_uniform(plan: P.RoutingPlan, ragged: P.RoutingPlan, counts: list[int])
     for e, c in enumerate(counts):  # the ragged group's pairs, in order, then padding
         assert torch.equal(plan.pair_of_R[e * C:e * C + c], ragged.pair_of_R[starts[e]:starts[e] + c]), e
         assert bool((plan.pair_of_R[e * C + c:(e + 1) * C] == Pn).all()), e
-    assert torch.equal(plan.pair_of_R[plan.row_of_P], torch.arange(Pn))
+    real = torch.arange(Pn) if plan.valid_P is None else torch.arange(Pn)[plan.valid_P]
+    assert torch.equal(plan.pair_of_R[plan.row_of_P[real]], real)
 
 
 # why each case exists: (counts per expert, K, the limit, uniform?)
@@ -70,6 +72,27 @@ def test_uniform_plan_holds_the_ragged_groups(case: str) -> None:
     assert torch.equal(P.unpermute(P.permute(x, plan), plan), P.unpermute(P.permute(x, ragged), ragged))
 
 
+@pytest.mark.parametrize("limit, uniform", [(1.75, True), (1.0, False)])
+def test_uniform_masked_plan_holds_the_valid_pairs(limit: float, uniform: bool) -> None:
+    """Invalid pairs (identity experts, expert choice) get no row on either plan: the uniform one
+    holds each group's valid pairs in the ragged one's order, the invalid pairs point at row 0."""
+    counts = [300, 250, 320, 290]
+    ids = ids_with_counts(counts, 2)
+    valid = torch.rand(ids.shape, generator=torch.Generator().manual_seed(3)) > 0.2
+    ragged = P.make_plan(ids, 4, ALIGN, valid)
+    plan = P.make_plan(ids, 4, ALIGN, valid, uniform_limit=limit)
+    valid_counts = [int(((ids == e) & valid).sum()) for e in range(4)]
+    if not uniform:
+        assert plan.capacity is None
+        for name in ("offsets_E", "row_of_P", "pair_of_R"):
+            assert torch.equal(getattr(plan, name), getattr(ragged, name)), name
+        return
+    check_uniform(plan, ragged, valid_counts)
+    invalid = ~valid.reshape(-1)
+    assert bool((plan.row_of_P[invalid] == 0).all())
+    assert torch.equal(plan.valid_P, ragged.valid_P) and plan.num_rows == 4 * plan.capacity
+
+
 def test_uniform_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.zeros(4, 8, dtype=torch.bfloat16)
     assert grouped_gemm.uniform_limit(x, 1) is None  # no row bucket (fp32, GPU, small groups): ragged
@@ -89,31 +112,39 @@ def test_uniform_rule(monkeypatch: pytest.MonkeyPatch) -> None:
 T, D, E, K, F = 1024, 32, 4, 2, 16
 
 
-def run(layer: MoELayer, x: torch.Tensor) -> tuple[list[torch.Tensor], int | None]:
+def run(layer: MoELayer, x: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+        ) -> tuple[list[torch.Tensor], int | None]:
+    """Output and gradients of one bf16 forward + backward, and the capacity of the plan it made."""
+    plans = []
+    make = LocalDispatcher.plan
+    monkeypatch.setattr(LocalDispatcher, "plan", lambda *a, **k: plans.append(make(*a, **k)) or plans[-1])
     layer.zero_grad(set_to_none=True)
     x = x.detach().clone().requires_grad_(True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        batch, _ = layer.dispatcher.dispatch(x, layer.router(x))
         out = layer(x)
     g = torch.randn(out.y.shape, generator=torch.Generator().manual_seed(7))
     (out.y.float() * g).sum().backward()
-    return [out.y.detach().float(), x.grad, *(p.grad for p in layer.parameters())], batch.capacity
+    assert len(plans) == 1
+    return [out.y.detach().float(), x.grad, *(p.grad for p in layer.parameters())], plans[0].capacity
 
 
+@pytest.mark.parametrize("identity", [0, 1])
 @pytest.mark.parametrize("lean", [True, False])
-def test_uniform_layer_computes_the_ragged_layer(lean: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_uniform_layer_computes_the_ragged_layer(lean: bool, identity: int,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The bf16 layer on the uniform plan (batched matmuls) against the same layer on the ragged
-    bucketed plan (a matmul per group): output and every gradient at the bf16 tolerance."""
+    bucketed plan (a matmul per group): output and every gradient at the bf16 tolerance. With an
+    identity expert the plans are masked (its pairs get no row)."""
     torch.manual_seed(0)
-    layer = MoELayer(D, MoEConfig(num_experts=E, top_k=K, d_expert=F))
+    layer = MoELayer(D, MoEConfig(num_experts=E, top_k=K, d_expert=F, n_identity_experts=identity))
     layer.experts.lean = lean
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(1))
     monkeypatch.setattr(grouped_gemm, "UNIFORM_LIMIT", {})
     monkeypatch.setattr(grouped_gemm, "UNIFORM_LIMIT_THREADED", 2.0)
-    uniform, C = run(layer, x)
+    uniform, C = run(layer, x, monkeypatch)
     assert C is not None and C % ALIGN == 0
     monkeypatch.setattr(grouped_gemm, "UNIFORM_LIMIT_THREADED", 0.0)
-    ragged, C0 = run(layer, x)
+    ragged, C0 = run(layer, x, monkeypatch)
     assert C0 is None
     names = ["y", "dx", *(n for n, _ in layer.named_parameters())]
     for a, b, name in zip(uniform, ragged, names):

@@ -140,11 +140,10 @@ class LocalDispatcher:
              uniform_limit: float | None = None) -> P.RoutingPlan:
         """`bucket`: a further row alignment of the dropless plan (`grouped_gemm.row_bucket`);
         `uniform_limit`: pad the groups to one size when it costs at most that factor of rows
-        (`grouped_gemm.uniform_limit`; token-choice plans only)."""
+        (`grouped_gemm.uniform_limit`)."""
         if self.capacity_factor is None:
             align = math.lcm(self.align, bucket)
-            limit = uniform_limit if decision.valid_TK is None else None
-            return P.make_plan(decision.ids_TK, self.num_experts, align, decision.valid_TK, limit)
+            return P.make_plan(decision.ids_TK, self.num_experts, align, decision.valid_TK, uniform_limit)
         if decision.valid_TK is not None:
             raise ValueError("the capacity baseline takes token-choice routing only (valid_TK given)")
         return make_capacity_plan(decision.ids_TK, decision.weights_TK, self.num_experts,

@@ -130,7 +130,7 @@ def make_plan(ids_TK: torch.Tensor, num_experts: int, align: int = 1,
     computed row whenever at least one pair is valid, which every strategy guarantees.
     """
     if valid_TK is not None:
-        return _make_masked_plan(ids_TK, num_experts, align, valid_TK)
+        return _make_masked_plan(ids_TK, num_experts, align, valid_TK, uniform_limit)
     T, K = ids_TK.shape
     P = T * K
     E = num_experts
@@ -146,14 +146,7 @@ def make_plan(ids_TK: torch.Tensor, num_experts: int, align: int = 1,
     if align == 1 and uniform_limit is None:  # the group ends are the bin edges: every id is < E
         return RoutingPlan(T, K, E, P, counts_E, edges_E1[1:].to(torch.int32), _invert(order_P, steps),
                            order_P, bags_T=_bags(T, K, ids_P.device))
-    padded_E, C = None, None
-    if uniform_limit is not None:
-        padded_E = (counts_E + (align - 1)) // align * align
-        C = int(padded_E.max())  # a host read: the CPU only (docstring)
-        if E * C <= uniform_limit * int(padded_E.sum()):
-            padded_E = torch.full_like(counts_E, C)
-        else:
-            C = None
+    padded_E, C = _uniform(counts_E, align, uniform_limit)
     _, rows_sorted, ends_E = _aligned_rows(ids_P, order_P, counts_E, align, padded_E)
     R = P + E * (align - 1) if C is None else E * C  # static bound on sum(padded_E), or the uniform rows
     row_of_P = torch.empty_like(order_P)
@@ -164,16 +157,31 @@ def make_plan(ids_TK: torch.Tensor, num_experts: int, align: int = 1,
                        bags_T=_bags(T, K, ids_P.device))
 
 
+def _uniform(counts_E: torch.Tensor, align: int, limit: float | None
+             ) -> tuple[torch.Tensor | None, int | None]:
+    """(rows of every group, C) for a uniform plan (`make_plan`'s `uniform_limit`), else (None, None)."""
+    if limit is None:
+        return None, None
+    padded_E = (counts_E + (align - 1)) // align * align
+    C = int(padded_E.max())  # a host read: the CPU only (make_plan's docstring)
+    if counts_E.numel() * C > limit * int(padded_E.sum()):
+        return None, None
+    return torch.full_like(counts_E, C), C
+
+
 def _make_masked_plan(ids_TK: torch.Tensor, num_experts: int, align: int,
-                      valid_TK: torch.Tensor) -> RoutingPlan:
+                      valid_TK: torch.Tensor, uniform_limit: float | None = None) -> RoutingPlan:
     T, K = ids_TK.shape
     P, E = T * K, num_experts
     valid_P = valid_TK.reshape(-1)
     ids_P = torch.where(valid_P, ids_TK.reshape(-1), E)  # invalid pairs -> virtual expert E, last
     sorted_P, order_P = torch.sort(ids_P, stable=True)
     counts_all = counts_of_sorted(sorted_P, E + 1)
-    _, rows_sorted, ends_all = _aligned_rows(ids_P, order_P, counts_all, align)
-    R = P + E * (align - 1)  # static bound: valid pairs plus the real groups' padding
+    padded_E, C = _uniform(counts_all[:E], align, uniform_limit)
+    padded_all = None if C is None else torch.cat([padded_E, counts_all[E:]])  # the virtual group: cut off
+    _, rows_sorted, ends_all = _aligned_rows(ids_P, order_P, counts_all, align, padded_all)
+    # static bound: valid pairs plus the real groups' padding; or the uniform rows
+    R = P + E * (align - 1) if C is None else E * C
     valid_sorted = valid_P[order_P]
     # Invalid pairs' rows go to an extra row R, cut off below.
     pair_of_R = torch.full((R + 1,), P, dtype=torch.int64, device=ids_P.device)
@@ -182,7 +190,7 @@ def _make_masked_plan(ids_TK: torch.Tensor, num_experts: int, align: int,
     row_of_P[order_P] = torch.where(valid_sorted, rows_sorted, 0)
     counts_E = counts_all[:E]
     return RoutingPlan(T, K, E, R, counts_E, ends_all[:E].to(torch.int32), row_of_P,
-                       pair_of_R[:R].clone(), valid_P=valid_P, bags_T=_bags(T, K, ids_P.device))
+                       pair_of_R[:R].clone(), capacity=C, valid_P=valid_P, bags_T=_bags(T, K, ids_P.device))
 
 
 def _bags(T: int, K: int, device: torch.device) -> torch.Tensor:
