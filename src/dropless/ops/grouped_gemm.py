@@ -75,7 +75,8 @@ def row_bucket(x: torch.Tensor, rows_per_group: float) -> int:
 # over the same groups splits the batch: 0.95 ms at 2 threads, 1.7 at 1. So on the CPU a plan whose
 # groups are nearly even pads them all to the largest (permute.make_plan `uniform_limit`) and the
 # experts run `torch.bmm`. The four products of a layer's forward and backward (E 16, D 256, F 256
-# SwiGLU), bmm over E*C rows against grouped_mm over the aligned rows, with one group C rows long:
+# SwiGLU), bmm over E*C rows against grouped_mm over the aligned rows, with one group C rows long
+# (scripts/steptune/uniform_bmm.py, 2-core AMX CPU):
 #   rows E*C / aligned  1.00  1.23  1.45  1.98
 #   2 threads           0.46  0.56  0.64  0.83
 #   1 thread            0.69  0.83  0.98  1.31
