@@ -166,6 +166,15 @@ EP_REDUCED = (2e-6, 2e-6)
 # gradient over ranks, the input gradient over ranks): fp32 noise.
 EP_LOWP = EP_REDUCED
 
+# A low-precision dispatch payload (parallel.dispatch_dtype) sends the gradient of every received row
+# back in bf16: each pair's gradient row is rounded once to bf16 (relative error <= 2^-9), and a token
+# sums its K pairs' rows, which may cancel, so the bound is taken relative to the tensor's largest
+# entry as well as the entry: 2^-8 of either (twice the rounding, for the sum of two roundings at k=2).
+# The same for a replicated weight whose gradient passes through those rows (the shared experts' input
+# gradient does not, but their weights' gradient is read from rows that did not cross: exact). Anything
+# rounded more coarsely than bf16 (an fp8 gradient, a lost row) is off by 2^-4 or more.
+EP_GRAD_WIRE_BF16 = 2.0**-8
+
 # Distributed training (EP + FSDP2, 4 gloo ranks, fp32) against one process with 4x the gradient
 # accumulation, over 20 steps of the tiny config (tests/distributed/test_parallel_train.py). The data are
 # identical; what differs is the association of fp32 sums: FSDP reduce-scatters per-rank gradient sums

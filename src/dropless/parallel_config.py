@@ -10,12 +10,14 @@ from dataclasses import dataclass, field, replace
 from typing import Optional, Union  # noqa: F401  (field annotations)
 
 from .configtree import _choice, _fail, _positive  # noqa: F401
+from .ops import payload
 from .moe_config import MoEConfig  # noqa: F401
 from .pipeline_config import SCHEDULES, PipelineSpec
 
 
 EP_MODES = ("exact", "buffered")
-ON_OVERFLOW = ("skip", "retry", "spill")  # buffered EP: what happens to pairs that did not fit
+ON_OVERFLOW = ("skip", "retry", "spill")
+EP_DISPATCH = ("all_to_all", "ring", "auto")  # parallel.ep_dispatch  # buffered EP: what happens to pairs that did not fit
 
 
 @dataclass
@@ -46,6 +48,19 @@ class ParallelConfig:
     a2a_alarm_ratio: float = 1.5  # health alarm when an interval's all-to-all time exceeds this x baseline
     # EP with shared experts: compute them while the dispatch all-to-all is in flight (docs/ep_health.md "Overlap")
     overlap_shared: bool = True
+    # the token rows' encoding in the dispatch all-to-all (ops/payload.py, docs/ep_dispatch.md "Payload"):
+    # "native" (the rows' dtype), "bf16", "mxfp8", "fp8_blockwise"; gradients then travel back in bf16.
+    # One process rounds the rows the same way, so every EP size trains the same numbers
+    dispatch_dtype: str = "native"
+    # how the rows reach the experts: "all_to_all" (to the ranks that hold them), "ring" (every rank
+    # gathers every token, a reduce-scatter sums the results back), "auto" (the ring where it sends
+    # fewer bytes); docs/ep_wire.md
+    ep_dispatch: str = "all_to_all"
+    # an EP group over several nodes: "node" sends a token across nodes once per destination node and
+    # fans it out inside the node (ep_hier.py; exact mode); ep_node_size: EP ranks per node (0 = the
+    # launcher's LOCAL_WORLD_SIZE)
+    ep_hierarchy: str = "flat"
+    ep_node_size: int = 0
     # hot-expert replication (train/ep_replicas_train.py): copies of the R busiest experts on other EP
     # ranks, placed from the global counts every replica_interval steps; 0 = off
     replicate_hot_experts: int = 0
@@ -66,6 +81,21 @@ class ParallelConfig:
     def validate(self, prefix: str = "parallel") -> None:
         _positive(f"{prefix}.ep_size", self.ep_size)
         _choice(f"{prefix}.ep_mode", self.ep_mode, EP_MODES)
+        _choice(f"{prefix}.dispatch_dtype", self.dispatch_dtype, payload.PAYLOADS)
+        _choice(f"{prefix}.ep_dispatch", self.ep_dispatch, EP_DISPATCH)
+        _choice(f"{prefix}.ep_hierarchy", self.ep_hierarchy, ("flat", "node"))
+        g = self.ep_node_size
+        if isinstance(g, bool) or not isinstance(g, int) or g < 0:
+            _fail(f"{prefix}.ep_node_size", g, "must be an int >= 0 (0 = LOCAL_WORLD_SIZE)")
+        if self.ep_hierarchy == "node":
+            if g and self.ep_size % g:
+                _fail(f"{prefix}.ep_node_size", g, f"must divide parallel.ep_size={self.ep_size}")
+            if self.ep_mode != "exact":
+                _fail(f"{prefix}.ep_hierarchy", "node", f"with ep_mode={self.ep_mode!r}: two-level dispatch "
+                      "reads its split sizes on the host (exact mode only)")
+            if self.ep_dispatch != "all_to_all" or self.replicate_hot_experts or self.pp_size > 1:
+                _fail(f"{prefix}.ep_hierarchy", "node", "goes with ep_dispatch 'all_to_all', no hot-expert "
+                      "replicas and no pipeline stages")
         if not isinstance(self.dedup, bool):
             _fail(f"{prefix}.dedup", self.dedup, "must be true or false")
         factor = self.ragged_buffer_factor
@@ -97,6 +127,13 @@ class ParallelConfig:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             _fail(f"{prefix}.replicate_hot_experts", n, "must be an int >= 0 (0 = off)")
         _positive(f"{prefix}.replica_interval", self.replica_interval)
+        if self.ep_dispatch != "all_to_all":
+            if self.ep_mode == "buffered" and self.overflow_policy == "spill":
+                _fail(f"{prefix}.ep_dispatch", self.ep_dispatch, "with on_overflow 'spill': the spill trip is "
+                      "the all-to-all's; use parallel.on_overflow=skip or retry")
+            if n:
+                _fail(f"{prefix}.ep_dispatch", self.ep_dispatch, f"with replicate_hot_experts={n}: the ring "
+                      "sends every token to every rank already; replicas are for the all-to-all")
         r = self.a2a_alarm_ratio
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not r > 1:
             _fail(f"{prefix}.a2a_alarm_ratio", r, "must be > 1 (the all-to-all time over its baseline)")

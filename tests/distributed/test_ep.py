@@ -137,7 +137,7 @@ def _run(layer: MoELayer, xs: torch.Tensor, gs: torch.Tensor, ids_s: torch.Tenso
 
 
 def _run_case(rank: int, world: int, case: dict, mode: str, dedup: bool, factor: float | str,
-              on_overflow: str = "retry") -> dict:
+              on_overflow: str = "retry", hier: tuple | None = None, **parallel: object) -> dict:
     T_r, E = case["T"], case["E"]
     torch.manual_seed(0)
     ref = MoELayer(case.get("d", 8), _layer_cfg(case))
@@ -148,7 +148,7 @@ def _run_case(rank: int, world: int, case: dict, mode: str, dedup: bool, factor:
         factor = _link_factor(case, world, ref, x, ids, bound) if mode == "buffered" else 2.0
     ep = shard_moe_layer(copy.deepcopy(ref), None, ParallelConfig(
         ep_size=world, ep_mode=mode, dedup=dedup, ragged_buffer_factor=factor, max_tokens_per_rank=bound,
-        on_overflow=on_overflow))
+        on_overflow=on_overflow, **parallel), hier)
     if case.get("reference") == "per_rank":  # routing depends on the batch: one run per rank's tokens
         outs = [_run(ref, x[a:b], g[a:b], None) for a, b in
                 ((sum(T_r[:s]), sum(T_r[:s + 1])) for s in range(world))]

@@ -17,7 +17,7 @@ BF16_BYTES, META_BYTES = 2, 8  # a bf16 row element; per pair with de-dup: fp32 
 WEIGHT_BYTES = 4  # per pair without de-dup: its fp32 routing weight travels beside the row
 
 
-def expected_bytes() -> dict[str, tuple[int, int, int]]:
+def expected_bytes(row: int = D * 2) -> dict[str, tuple[int, int, int]]:
     """(bytes_sent, bytes_sent_without_dedup, combine trip bytes) summed over ranks, per mode, from each
     rank's routing as the bench draws it (generator seeded with the rank: x, then the logits, softmax
     top-k). The combine trip sends back the rows received: one per (token, rank) with de-dup, one per
@@ -33,25 +33,27 @@ def expected_bytes() -> dict[str, tuple[int, int, int]]:
     C = link_capacity(T, K, L, W, 2.0)  # the bench's default --factor
     Cr = min(C, T)
     links = W * W
-    plain, plain_buffered = pairs * (D * BF16_BYTES + WEIGHT_BYTES), links * C * (D * BF16_BYTES + WEIGHT_BYTES)
-    row = D * BF16_BYTES
+    plain, plain_buffered = pairs * (row + WEIGHT_BYTES), links * C * (row + WEIGHT_BYTES)
+    back = D * BF16_BYTES  # the combine trip's rows stay bf16 whatever the payload
     return {
-        "exact": (plain, plain, pairs * row),
-        "exact+dedup": (rows * row + pairs * META_BYTES, plain, rows * row),
-        "buffered": (plain_buffered, plain_buffered, links * C * row),
-        "buffered+dedup": (links * (Cr * row + C * META_BYTES), plain_buffered, links * Cr * row),
+        "exact": (plain, plain, pairs * back),
+        "exact+dedup": (rows * row + pairs * META_BYTES, plain, rows * back),
+        "buffered": (plain_buffered, plain_buffered, links * C * back),
+        "buffered+dedup": (links * (Cr * row + C * META_BYTES), plain_buffered, links * Cr * back),
     }
 
 
 def test_bench_ep_smoke(tmp_path: Path) -> None:
     out = tmp_path / "ep.json"
     rc = main(["bench", "ep", "--nproc", str(W), "--tokens", str(T), "--dim", str(D), "--experts", str(E),
-               "--top-k", str(K), "--repeats", "1", "--warmup", "0", "--json", str(out)])
+               "--top-k", str(K), "--repeats", "1", "--warmup", "0", "--json", str(out),
+               "--payloads", "native,mxfp8"])
     assert rc == 0
     record = json.loads(out.read_text())
     assert record["config"]["dtype"] == "bf16" and record["config"]["factor"] == 2.0
     modes = record["modes"]
-    assert set(modes) == {"exact", "exact+dedup", "buffered", "buffered+dedup"}
+    names = ("exact", "exact+dedup", "buffered", "buffered+dedup")
+    assert set(modes) == {*names, *(f"{n}:mxfp8" for n in names)}
     for name, row in modes.items():
         for key in ("dispatch_combine_ms", "raw_all_to_all_ms", "raw_data_all_to_all_ms"):
             assert row[key] > 0, (name, key)
@@ -59,15 +61,18 @@ def test_bench_ep_smoke(tmp_path: Path) -> None:
         assert row["ratio_data_only"] == pytest.approx(
             row["dispatch_combine_ms"] / row["raw_data_all_to_all_ms"], rel=1e-12)
         assert row["overflow"] == 0, name  # factor 2 over random routing: nothing dropped
-    expected = expected_bytes()
     counts = W * W * (E // W + 1) * 8  # the count exchange: every rank sends L + 1 int64 to every rank
-    for name, (sent, plain, back) in expected.items():
-        row = modes[name]
-        assert (row["bytes_sent"], row["bytes_sent_without_dedup"]) == (sent, plain), name
-        # recompute under EP repeats the forward's trips (layers/recompute.py)
-        assert (row["fwd_bytes"], row["bwd_bytes"]) == (counts + sent + back, sent + back), name
-        assert row["recompute_extra_bytes"] == row["fwd_bytes"], name
-        assert row["fwd_bwd_ms"] > 0 and row["recompute_fwd_bwd_ms"] > 0, name
+    # mxfp8 rows of width 16: the codes and one E8M0 byte (a short block); their gradients go back bf16
+    bf16 = expected_bytes()
+    for suffix, expected in (("", bf16), (":mxfp8", expected_bytes(D + 1))):
+        for name, (sent, plain, back) in expected.items():
+            row = modes[name + suffix]
+            assert (row["bytes_sent"], row["bytes_sent_without_dedup"]) == (sent, plain), name + suffix
+            # recompute under EP repeats the forward's trips (layers/recompute.py)
+            assert (row["fwd_bytes"], row["bwd_bytes"]) == (counts + sent + back, bf16[name][0] + back), name
+            assert row["recompute_extra_bytes"] == row["fwd_bytes"], name
+            assert row["fwd_bwd_ms"] > 0 and row["recompute_fwd_bwd_ms"] > 0, name
+            assert row["bytes_vs_first_payload"] == pytest.approx(sent / bf16[name][0], rel=1e-12), name
     # k=4 over 2 ranks of 4 experts: every token has >= 2 pairs on some rank, so de-dup sends less
     assert modes["exact+dedup"]["bytes_sent"] < modes["exact"]["bytes_sent"]
 

@@ -98,10 +98,18 @@ FACTORS: list[tuple[str, dict[str, list[str]]]] = [
                 "ep2-buf-auto-hot": [*BUFFERED, "parallel.ragged_buffer_factor=auto", "parallel.on_overflow=retry",
                                      "parallel.replicate_hot_experts=1", "parallel.replica_interval=1",
                                      "parallel.overlap_shared=false", "parallel.check_collectives=true"],
+                # ring dispatch: all-gather the tokens, reduce-scatter the results (exact and static sizes)
+                "ep2-ring": [*EP2, "parallel.ep_dispatch=ring"],
+                "ep2-buf-ring": [*BUFFERED, "parallel.ep_dispatch=ring", "parallel.on_overflow=retry"],
+                # two-level dispatch: the two ranks as two nodes of one (rail trip, then a node of one)
+                "ep2-node": [*EP2, "parallel.ep_hierarchy=node", "parallel.ep_node_size=1"],
                 # pipeline stages: two ranks of one stage each; zbv's two stages per rank need 4 blocks
                 "pp2-1f1b": ["parallel.pp_size=2"],
                 "pp2-zbv": ["parallel.pp_size=2", "parallel.pp_schedule=zbv", "parallel.pp_stages_per_rank=2",
                             "parallel.pp_microbatches=2", "parallel.pp_layers=[1,1,1,1]", "model.n_layers=4"]}),
+    # the EP dispatch's token rows on the wire; one process rounds them alike (a short last block at d 64)
+    ("payload", {"native": [], "mxfp8": ["parallel.dispatch_dtype=mxfp8"],
+                 "fp8_blockwise": ["parallel.dispatch_dtype=fp8_blockwise"]}),
     ("resume_change", {"lr": [], "optimizer": ["stage.resume_optimizer=true"]}),
     # low-rank adapters on a frozen base (the base: train.seed's weights), held in bf16, or packed (QLoRA)
     ("lora", {"-": [], "attn+experts": ["train.lora.rank=4"],

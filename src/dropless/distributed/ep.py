@@ -13,6 +13,10 @@ Host reads: exact mode's split sizes (ep_exchange.py) and, in buffered mode with
 `on_overflow="spill"`, one int per call here (the group's overflow, which decides the second trip).
 Buffered mode's link size is a host int: a factor of the balanced load, or with factor "auto"
 `link_pairs`, which train/ep_buffers.py sets between steps.
+
+`dispatch_dtype`: the token rows travel encoded (ops/payload.py: bf16, mxfp8 or fp8 blockwise codes
+and scales) and arrive decoded, so the experts see the rows a one-process run with the same setting
+sees (layers/dispatch.py `LocalDispatcher.payload`).
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from ..layers.dispatch import dispatch_align
 from ..layers.experts import ExpertBatch
 from ..layers.moe import MoELayer
 from ..layers.router import RoutingDecision
-from . import ep_exchange, ep_spill
+from ..ops import payload
+from . import ep_exchange, ep_ring, ep_spill
 from .ep_exchange import EPMeta, Links
 from .ep_plan import link_capacity, local_expert_count
 
@@ -37,6 +42,7 @@ __all__ = ["EPDispatcher", "build_ep_dispatcher", "link_capacity", "local_expert
 
 # ragged_buffer_factor "auto" before the first check has sized the links (the fixed default's factor)
 AUTO_START_FACTOR = 2.0
+EP_DISPATCH = ("all_to_all", "ring", "auto")
 
 
 def must_invalidate(overflow: torch.Tensor) -> torch.Tensor:
@@ -78,6 +84,11 @@ class EPDispatcher:
     overlap_shared: bool = False
     # "auto": pair slots per link, set between steps by train/ep_buffers.py (None: AUTO_START_FACTOR)
     link_pairs: int | None = None
+    # the token rows' encoding on the wire (ops/payload.py; parallel.dispatch_dtype)
+    dispatch_dtype: str = "native"
+    # "all_to_all", "ring" (ep_ring.py: all-gather the tokens, reduce-scatter the results), or "auto":
+    # the ring where it sends fewer bytes (ep_ring.ring_sends_fewer)
+    ep_dispatch: str = "all_to_all"
     # from the group and num_experts
     ep_size: int = field(init=False)
     rank: int = field(init=False)
@@ -89,6 +100,12 @@ class EPDispatcher:
             raise ValueError(f"mode={mode!r}: must be 'exact' or 'buffered'")
         if not (factor == "auto" or factor == -1 or factor > 0):
             raise ValueError(f"ragged_buffer_factor={factor!r}: must be > 0, -1 or 'auto'")
+        payload.check(self.dispatch_dtype)
+        if self.ep_dispatch not in EP_DISPATCH:
+            raise ValueError(f"ep_dispatch={self.ep_dispatch!r}: must be one of {', '.join(EP_DISPATCH)}")
+        if self.ep_dispatch != "all_to_all" and self.on_overflow == "spill" and mode == "buffered":
+            raise ValueError(f"ep_dispatch={self.ep_dispatch!r} with on_overflow='spill': the spill trip is "
+                             "the all-to-all's; use 'skip' or 'retry'")
         if self.on_overflow not in ("skip", "retry", "spill"):
             raise ValueError(f"on_overflow={self.on_overflow!r}: must be 'skip', 'retry' or 'spill'")
         if mode == "buffered" and max_tokens <= 0:
@@ -153,7 +170,30 @@ class EPDispatcher:
             C = self.capacity(self.max_tokens, self.top_k or K, K)
             Cr = min(C, self.max_tokens)
         return Links(self.group, self.ep_size, self.num_experts, self.num_local, self.first_expert,
-                     self.align, self.dedup, C, Cr, C is not None and self.on_overflow == "spill")
+                     self.align, self.dedup, C, Cr, C is not None and self.on_overflow == "spill",
+                     self.dispatch_dtype)
+
+    def uses_ring(self, width: int, dtype: torch.dtype, slots: int) -> bool:
+        """Whether a call of rows of this width and dtype goes by the ring: "auto" compares the two
+        protocols' bytes from sizes every rank shares (so every rank takes the same path)."""
+        if self.ep_dispatch != "auto":
+            return self.ep_dispatch == "ring"
+        T = self.max_tokens if self.mode == "buffered" else 1024  # exact: both scale with T
+        return ep_ring.ring_sends_fewer(ep_size=self.ep_size, num_experts=self.num_experts,
+                                        top_k=self.top_k or slots, width=width, dtype=dtype,
+                                        payload=self.dispatch_dtype, mode=self.mode, dedup=self.dedup,
+                                        link_pairs=self.capacity(T, self.top_k or slots, slots), tokens=T)
+
+    def _ring(self, x_TD: torch.Tensor, decision: RoutingDecision) -> tuple[ExpertBatch, "ep_ring.RingMeta"]:
+        T, K = decision.ids_TK.shape
+        block = bound = None
+        if self.mode == "buffered":
+            self.links(T, K)  # the shared bound's check, on the host, before any collective
+            block = self.max_tokens
+            bound = self.ep_size * self.capacity(self.max_tokens, self.top_k or K, K)
+        return ep_ring.dispatch(x_TD, decision, self.group, first_expert=self.first_expert,
+                                num_local=self.num_local, align=self.align, block=block, pair_bound=bound,
+                                payload=self.dispatch_dtype)
 
     def dispatch(self, x_TD: torch.Tensor, decision: RoutingDecision) -> tuple[ExpertBatch, EPMeta]:
         batch, meta, _ = self.dispatch_overlapped(x_TD, decision, None)
@@ -163,7 +203,11 @@ class EPDispatcher:
                             during: Callable[[], torch.Tensor] | None
                             ) -> tuple[ExpertBatch, EPMeta, torch.Tensor | None]:
         """`dispatch`, and `during()` (the shared experts) computed while the token rows and their
-        metadata are in flight (ep_exchange.dispatch); returns its result third (None: nothing run)."""
+        metadata are in flight (ep_exchange.dispatch); returns its result third (None: nothing run).
+        The ring runs `during()` after its gathers (nothing of it is overlapped)."""
+        if self.uses_ring(x_TD.shape[1], x_TD.dtype, decision.ids_TK.shape[1]):
+            batch, meta = self._ring(x_TD, decision)
+            return batch, meta, during() if during is not None else None
         links = self.links(*decision.ids_TK.shape)
         batch, meta, extra, over = ep_exchange.dispatch(x_TD, decision, links, during)
         # spill: the one host read of the mode (every rank reads the same total, so all of them take
@@ -177,15 +221,18 @@ class EPDispatcher:
         """The rows back to their tokens, an unweighted sum (the experts applied the weights)."""
         if isinstance(meta, ep_spill.SpillMeta):
             return ep_spill.combine_spill(self, self.exact(), y_RD, meta)
+        if isinstance(meta, ep_ring.RingMeta):
+            return ep_ring.combine(y_RD, meta, self.group)
         return ep_exchange.combine(y_RD, meta, self.group)
 
 
 def build_ep_dispatcher(layer: MoELayer, cfg: ParallelConfig, group: ProcessGroup | None) -> EPDispatcher:
     """The EP twin of layers/dispatch.py `build_dispatcher` for `layer` (built for one device): over
     its routed experts, the same row alignment (moe.align and what the experts need), buffers sized
-    from `cfg.max_tokens_per_rank` and `moe.top_k`."""
+    from `cfg.max_tokens_per_rank` and `moe.top_k`. (Two-level: ep_hier.py `build_hier_dispatcher`.)"""
     moe = layer.cfg
     return EPDispatcher(layer.slots.routed, group, align=dispatch_align(moe, layer.experts), mode=cfg.ep_mode,
                         dedup=cfg.dedup, ragged_buffer_factor=cfg.ragged_buffer_factor,
                         max_tokens=cfg.max_tokens_per_rank, top_k=moe.top_k, on_overflow=cfg.overflow_policy,
-                        overlap_shared=cfg.overlap_shared)
+                        overlap_shared=cfg.overlap_shared, dispatch_dtype=cfg.dispatch_dtype,
+                        ep_dispatch=cfg.ep_dispatch)

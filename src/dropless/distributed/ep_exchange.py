@@ -48,6 +48,13 @@ rows and metadata are issued asynchronously (comm.all_to_all_start) and the call
 layer's shared experts) runs before they are waited for; the same collectives on the same data, so
 bit-identical (docs/ep_health.md).
 
+Payload (`Links.payload`, parallel.dispatch_dtype): step 3's token rows travel encoded (ops/payload.py:
+mxfp8 or fp8 blockwise codes and scales, or bf16), encoded once at the source after the gather and
+decoded on arrival into x's dtype; the pair metadata, the counts and the combine's rows do not. The
+combine stays in the rows' dtype: its rows are the experts' weighted outputs, summed straight into
+each token's output with no later GEMM to quantise them for, so a rounding there is a plain error in
+the forward; its trip is unchanged, and the dispatch trip's saving is what the knob buys.
+
 Devices: every tensor is made on x's device (constants with `new_full`); the one host read here is
 exact mode's `.tolist()` of the split sizes. In buffered mode with `on_overflow="spill"` the count
 exchange also carries the group's overflow, which `dispatch` returns (`Overflow`) for the dispatcher
@@ -65,6 +72,7 @@ from torch.distributed import ProcessGroup
 from ..layers.dispatch import DispatchMeta
 from ..layers.experts import ExpertBatch
 from ..layers.router import RoutingDecision
+from ..ops import payload as _payload
 from ..ops import permute as perm
 from . import comm
 from .ep_plan import BagSum, bags, dest_layout, excl_cumsum, source_pairs, take
@@ -88,6 +96,7 @@ class Links:
     pair_slots: int | None  # C, pair slots per link; None: exact mode (sizes read on the host)
     row_slots: int | None  # Cr, token-row slots per link (de-dup); None: exact mode
     spill: bool  # buffered with on_overflow "spill": the count exchange carries each rank's overflow
+    payload: str = "native"  # the token rows' encoding on the wire (ops/payload.py, parallel.dispatch_dtype)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,6 +118,7 @@ class EPMeta(DispatchMeta):
     # statistics
     bytes_sent: torch.Tensor
     bytes_sent_without_dedup: torch.Tensor
+    bytes_back: torch.Tensor  # the dispatch trip reversed in the backward (gradients of rows and weights)
 
     @property
     def overflow(self) -> torch.Tensor:
@@ -130,12 +140,13 @@ def dispatch(x_TD: torch.Tensor, decision: RoutingDecision, links: Links,
     computed while the token rows and their metadata are in flight: the exchange is issued
     (`comm.all_to_all_start`), `during` runs, then it is waited for; its result comes back third
     (None: the blocking exchange, nothing run). Fourth, in spill mode, what did not fit."""
-    def send(t: torch.Tensor, out_s: tuple | None, in_s: tuple | None, zero_row: bool = False) -> object:
+    def send(t: torch.Tensor, out_s: tuple | None, in_s: tuple | None, zero_row: bool = False,
+             payload: str = "native") -> object:
         if during is not None:
-            return comm.all_to_all_start(t, out_s, in_s, links.group, zero_row)
+            return comm.all_to_all_start(t, out_s, in_s, links.group, zero_row, payload)
         if out_s is None:
-            return comm.all_to_all_fixed(t, links.group, zero_row=zero_row)
-        return comm.all_to_all(t, out_s, in_s, links.group, zero_row=zero_row)
+            return comm.all_to_all_fixed(t, links.group, zero_row=zero_row, payload=payload)
+        return comm.all_to_all(t, out_s, in_s, links.group, zero_row=zero_row, payload=payload)
 
     def overlap(*sent: object) -> tuple:
         extra = during() if during is not None else None
@@ -144,7 +155,8 @@ def dispatch(x_TD: torch.Tensor, decision: RoutingDecision, links: Links,
     Pn, L, dev = links.ep_size, links.num_local, x_TD.device
     ids_TK = decision.ids_TK
     T, K = ids_TK.shape
-    D, es = x_TD.shape[1], x_TD.element_size()
+    D, wire = x_TD.shape[1], links.payload
+    rb = _payload.row_bytes(wire, D, x_TD.dtype)  # a token row's bytes on the wire
     C, Cr = links.pair_slots, links.row_slots
     buffered = C is not None
     src = source_pairs(ids_TK, decision.valid_TK, links.num_experts, Pn, C, Cr, links.dedup)
@@ -193,15 +205,15 @@ def dispatch(x_TD: torch.Tensor, decision: RoutingDecision, links: Links,
             pair_of_slot[torch.where(keep_q, rank_q * C + src.j_q, Pn * C)] = torch.arange(Q, device=dev)
             pair_of_slot = pair_of_slot[:-1]
             meta_send = take(meta_q2, pair_of_slot, pair_of_slot < Q)
-            x_recv = send(x_send, None, None, zero_row=True)
+            x_recv = send(x_send, None, None, zero_row=True, payload=wire)
             meta_recv = send(meta_send, None, None)
-            bytes_sent = x_TD.new_full((), Pn * (Cr * D * es + C * _META_BYTES), dtype=torch.int64)
+            rows_sent, meta_bytes = x_TD.new_full((), Pn * Cr, dtype=torch.int64), Pn * C * _META_BYTES
         else:
             token_S = token_of_sorted[:sum(send_rows)]
             x_send = x_TD.index_select(0, token_S)
-            x_recv = send(x_send, tuple(recv_rows), tuple(send_rows), zero_row=True)
+            x_recv = send(x_send, tuple(recv_rows), tuple(send_rows), zero_row=True, payload=wire)
             meta_recv = send(meta_q2[:sum(send_pairs)], tuple(recv_pairs), tuple(send_pairs))
-            bytes_sent = rows_P.sum() * D * es + kept_P.sum() * _META_BYTES
+            rows_sent, meta_bytes = rows_P.sum(), kept_P.sum() * _META_BYTES
         extra, x_recv, meta_recv = overlap(x_recv, meta_recv)
         w_n = meta_recv[:, 0]
         rowidx_n = meta_recv[:, 1].detach().contiguous().view(torch.int32).long()
@@ -215,17 +227,17 @@ def dispatch(x_TD: torch.Tensor, decision: RoutingDecision, links: Links,
             # kept pairs are a prefix of each link block without de-dup
             q_n = (excl_cumsum(src.pairs_P)[r] + i).clamp(max=max(Q - 1, 0))
             sent_n = i < kept_P[r]
-            x_recv = send(take(x_PD, q_n, sent_n), None, None, zero_row=True)
+            x_recv = send(take(x_PD, q_n, sent_n), None, None, zero_row=True, payload=wire)
             w_recv = send(take(w_q[:, None], q_n, sent_n), None, None, zero_row=True)
-            bytes_sent = x_TD.new_full((), Pn * C * (D * es + _WEIGHT_BYTES), dtype=torch.int64)
+            rows_sent, meta_bytes = x_TD.new_full((), Pn * C, dtype=torch.int64), Pn * C * _WEIGHT_BYTES
             n_back = Pn * C
             slot_P = (rank_q * C + src.j_q)[plan.row_of_P]
             seg = torch.cat([token_q, token_q.new_full((1,), T)])[torch.where(sent_n, q_n, Q)]
         else:
             n_back = sum(send_pairs)
-            x_recv = send(x_PD[:n_back], tuple(recv_pairs), tuple(send_pairs), zero_row=True)
+            x_recv = send(x_PD[:n_back], tuple(recv_pairs), tuple(send_pairs), zero_row=True, payload=wire)
             w_recv = send(w_q[:n_back, None], tuple(recv_pairs), tuple(send_pairs), zero_row=True)
-            bytes_sent = kept_P.sum() * (D * es + _WEIGHT_BYTES)
+            rows_sent, meta_bytes = kept_P.sum(), kept_P.sum() * _WEIGHT_BYTES
             slot_P = plan.row_of_P  # the pairs went (and come back) in plan row order
             seg = token_q[:n_back]
         extra, x_recv, w_recv = overlap(x_recv, w_recv)
@@ -238,10 +250,14 @@ def dispatch(x_TD: torch.Tensor, decision: RoutingDecision, links: Links,
         row_P = torch.where(keep_P, slot_P, n_back)
         back_seg = torch.cat([seg, seg.new_full((1,), T)])
         back_bags = (row_P, torch.arange(T + 1, device=dev) * K)
+    bytes_sent = rows_sent * rb + meta_bytes
+    # the backward's reverse trip: the rows' gradients (bf16 under a payload, comm.py) and the metadata's
+    grad_rb = D * (x_TD.element_size() if wire == "native" else 2)
+    bytes_back = rows_sent * grad_rb + meta_bytes
     if buffered:
-        bytes_plain = x_TD.new_full((), Pn * C * (D * es + _WEIGHT_BYTES), dtype=torch.int64)
+        bytes_plain = x_TD.new_full((), Pn * C * (rb + _WEIGHT_BYTES), dtype=torch.int64)
     else:
-        bytes_plain = src.pairs_P.sum() * (D * es + _WEIGHT_BYTES)
+        bytes_plain = src.pairs_P.sum() * (rb + _WEIGHT_BYTES)
 
     # 4. destination layout: pair slot n -> GEMM row; each row's input and weight
     lay = dest_layout(counts_SL, n_slots, C, links.align)
@@ -265,7 +281,7 @@ def dispatch(x_TD: torch.Tensor, decision: RoutingDecision, links: Links,
                   num_local=L, link_demand=demand, num_tokens=T, back_seg=back_seg,
                   back_bags=back_bags, row_n=lay.row_n, valid_n=lay.valid_n, src_R=src_R,
                   presum_bags=presum_bags, rows_recv=n_rows_recv, splits_back=splits_back,
-                  bytes_sent=bytes_sent, bytes_sent_without_dedup=bytes_plain,
+                  bytes_sent=bytes_sent, bytes_sent_without_dedup=bytes_plain, bytes_back=bytes_back,
                   pairs_spilled=overflow.new_zeros(()) if spill else None)
     batch = ExpertBatch(x_RD, lay.offsets_L, weights_R=w_R)
     if not spill:

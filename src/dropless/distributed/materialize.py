@@ -33,6 +33,7 @@ from ..layers.frozen_base import pack_frozen_base
 from ..model import MoEModel
 from .mesh import Meshes
 from .parallelize import parallelize_model
+from .parallelize_ep import local_payload
 
 Fill = Callable[[MoEModel, init.Where], None]
 
@@ -79,6 +80,8 @@ def build_model(cfg: ModelConfig, device: torch.device, seed: int, meshes: Meshe
     names: list[str] = []
     if meshes is not None:
         names = parallelize_model(model, meshes, parallel or ParallelConfig(ep_size=meshes.mesh.size(1)))
+    if parallel is not None:
+        local_payload(model, parallel.dispatch_dtype)
     model.materialize(device)
     where = local_rows(meshes, names) if meshes is not None else init.whole
     if device.type == "meta":  # shapes only (tests and tracing): nothing to fill

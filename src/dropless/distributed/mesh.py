@@ -44,6 +44,8 @@ class Meshes:
     mesh: DeviceMesh  # (edp, ep)
     dp: DeviceMesh  # 1-D, all ranks
     expert_ckpt: DeviceMesh  # (ep, edp): the global layout of the expert tensors, for checkpoints
+    # two-level dispatch (parallel.ep_hierarchy "node"): this rank's (node group, rail group)
+    ep_hier: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
 
     @property
     def world(self) -> int:
@@ -82,16 +84,23 @@ def check_layout(pp_size: int, ep_size: int, world: int, per_node: int) -> None:
     check_ep_in_node(ep_size, world, per_node)
 
 
-def build_meshes(ep_size: int, device_type: str) -> Meshes:
+def build_meshes(ep_size: int, device_type: str, ep_node_size: int | None = None) -> Meshes:
     """The (edp, ep) mesh over the default group, on the trainer's device type ("cuda" or "cpu");
-    ep_size must divide the world size."""
+    ep_size must divide the world size. `ep_node_size` (parallel.ep_hierarchy "node"; 0 = this
+    node's process count): an ep group may then span nodes, and the two-level dispatch's groups are
+    built (`ep_hier_groups`)."""
     world = dist.get_world_size()
-    check_layout(1, ep_size, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    # a two-level dispatch crosses nodes once per destination node: a group spanning nodes is its point
+    check_layout(1, ep_size, world, world if ep_node_size is not None else per_node)
     dev = device_type
     mesh = init_device_mesh(dev, (world // ep_size, ep_size), mesh_dim_names=("edp", "ep"))
     dp = init_device_mesh(dev, (world,), mesh_dim_names=("dp",))
     expert_ckpt = DeviceMesh(dev, mesh.mesh.t().contiguous(), mesh_dim_names=("ep", "edp"))
-    return Meshes(mesh, dp, expert_ckpt)
+    hier = None
+    if ep_node_size is not None:
+        hier = ep_hier_groups(ep_size, min(ep_node_size or per_node, ep_size), dev)
+    return Meshes(mesh, dp, expert_ckpt, hier)
 
 
 @dataclass(frozen=True)
@@ -121,3 +130,17 @@ def build_pipeline_meshes(pp_size: int, ep_size: int, device_type: str) -> Pipel
     ckpt = DeviceMesh(dev, m3.mesh.transpose(1, 2).contiguous(), mesh_dim_names=("pp", "ep", "edp"))
     stage = Meshes(m3["edp", "ep"], flat["dp"], ckpt["ep", "edp"])
     return PipelineMeshes(stage, flat["pp"])
+
+
+def ep_hier_groups(ep_size: int, node_size: int, device_type: str) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(node group, rail group) of this rank for a two-level dispatch (distributed/ep_hier.py) over the
+    (edp, ep) layout: the ep ranks of one data-parallel replica split into ep_size / node_size nodes of
+    node_size consecutive ranks; a rank's node group is its node's, its rail the ranks of the same
+    index in every node. Collective: every rank of the default group calls it."""
+    world = dist.get_world_size()
+    if node_size < 1 or ep_size % node_size or world % ep_size:
+        raise ValueError(f"parallel.ep_node_size={node_size}: must divide parallel.ep_size={ep_size}, "
+                         f"which must divide the world size {world}")
+    m = init_device_mesh(device_type, (world // ep_size, ep_size // node_size, node_size),
+                         mesh_dim_names=("edp", "rail", "node"))
+    return m.get_group("node"), m.get_group("rail")

@@ -76,7 +76,7 @@ def parallelize_model(model: MoEModel, meshes: Meshes, cfg: ParallelConfig) -> l
     expert_names = []
     for name, module in model.named_modules():
         if isinstance(module, MoELayer):
-            shard_moe_layer(module, meshes.ep_group, cfg)
+            shard_moe_layer(module, meshes.ep_group, cfg, meshes.ep_hier)
             expert_names += [f"{name}.experts.{p}" for p, _ in module.experts.named_parameters()]
             fully_shard(module.experts, mesh=meshes.mesh["edp"])
             fully_shard(module.router, mesh=meshes.dp)

@@ -51,6 +51,7 @@ from ..pipeline_config import PipelineSpec, check_stage_model
 from .materialize import local_rows
 from .mesh import PipelineMeshes
 from .parallelize import parallelize_model
+from .parallelize_ep import local_payload
 from . import pipeline_grads
 from .pipeline_split import model_stage_sizes
 from .pipeline_stage import StageModel, StageRecord, embed_on_last
@@ -137,6 +138,7 @@ class Pipeline:
         for m in self.modules:
             if sharded:
                 self.expert_names += parallelize_model(m, meshes.stage, parallel)
+            local_payload(m, parallel.dispatch_dtype)
             m.materialize(device)
         where = local_rows(meshes.stage, self.expert_names) if sharded else init.whole
         with torch.no_grad():

@@ -50,6 +50,8 @@ if TYPE_CHECKING:
 
 _CURRENT: contextvars.ContextVar["CommWatch | None"] = contextvars.ContextVar("dropless_comm_watch", default=None)
 _POLL_S = 0.02
+# the collectives whose time is the EP exchange's (the all-to-alls, the ring dispatch's gather and scatter)
+TIMED = ("all_to_all", "all_gather", "reduce_scatter")
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -91,7 +93,7 @@ class CommWatch:
             splits: tuple[Sequence[int], Sequence[int]] | None = None) -> None:
         """Record (check mode), time (all-to-alls) and issue one blocking collective."""
         self._enter(op, group, x, splits)
-        timed = op == "all_to_all"
+        timed = op in TIMED
         if timed and x.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -115,7 +117,7 @@ class CommWatch:
         events from the issue to the end of the wait (the current stream then waits on NCCL's), so
         the figure includes the overlapped span."""
         entry = self._enter(op, group, x, splits)
-        timed, cuda = op == "all_to_all", x.device.type == "cuda"
+        timed, cuda = op in TIMED, x.device.type == "cuda"
         start = None
         if timed and cuda:
             start = torch.cuda.Event(enable_timing=True)

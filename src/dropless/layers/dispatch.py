@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from ..config import MoEConfig
 from ..expert_slots import ExpertSlots
-from ..ops import grouped_gemm
+from ..ops import grouped_gemm, payload
 from ..ops import permute as P
 from ..ops.capacity_plan import make_capacity_plan
 from ..ops.lean_experts import RowSource
@@ -127,6 +127,12 @@ class LocalDispatcher:
     align: int = 1
     capacity_factor: float | None = None
     drop_policy: str = "position"
+    # parallel.dispatch_dtype: the rows are rounded as the EP payload would carry them (ops/payload.py),
+    # so a run gives the experts the same numbers at every EP size
+    payload: str = "native"
+
+    def __post_init__(self) -> None:
+        payload.check(self.payload)
 
     @property
     def overlap_shared(self) -> bool:
@@ -134,7 +140,8 @@ class LocalDispatcher:
 
     @property
     def allows_decode_path(self) -> bool:
-        return self.capacity_factor is None  # the capacity layout drops by position in a group
+        # the capacity layout drops by position in a group; the decode path would skip the payload's rounding
+        return self.capacity_factor is None and self.payload == "native"
 
     def plan(self, decision: RoutingDecision, bucket: int = 1,
              uniform_limit: float | None = None) -> P.RoutingPlan:
@@ -153,6 +160,7 @@ class LocalDispatcher:
         bucket = grouped_gemm.row_bucket(x_TD, decision.ids_TK.numel() / self.num_experts)
         plan = self.plan(decision, bucket, grouped_gemm.uniform_limit(x_TD, bucket))
         weights_R = P.permute_weights(decision.weights_TK, plan)
+        x_TD = payload.round_rows(x_TD, self.payload)
         # the source lets the lean experts re-gather x_RD in the backward instead of keeping it; its
         # row index is the one combine's backward keeps (one storage for both)
         src_R = plan.src_R

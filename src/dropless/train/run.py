@@ -224,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
             if cfg.train.compile == "step" and world > 1:  # (the Trainer refuses it too, per rank)
                 raise ValueError(f"train.compile='step' with --nproc {args.nproc}: the whole step compiles in one "
                                  "process; use train.compile=blocks under several processes")
-            check_layout(cfg.parallel.pp_size, cfg.parallel.ep_size, world, args.nproc)
+            p = cfg.parallel  # a two-level dispatch spans nodes by design (distributed/ep_hier.py)
+            check_layout(p.pp_size, p.ep_size, world, world if p.ep_hierarchy == "node" else args.nproc)
             return launch(args, argv, run_dir)
         from ..device import resolve_device
 
