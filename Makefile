@@ -56,6 +56,7 @@ ISA_TESTS += tests/distributed/test_ep_overlap.py tests/distributed/test_knobs_e
 ISA_TESTS += tests/distributed/test_lora_ep.py tests/train/test_lora_train.py
 # Muon batching changes no bits only if a batched GEMM computes each matrix as it computes it alone
 ISA_TESTS += tests/train/test_muon.py
+ISA_TESTS += tests/distributed/test_ep_payload.py tests/distributed/test_ep_ring.py tests/distributed/test_ep_hier.py
 ISA_SETTINGS ?= AVX512 AVX2
 
 test-isa: $(STAMP)
