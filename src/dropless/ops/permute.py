@@ -163,8 +163,8 @@ def _uniform(counts_E: torch.Tensor, align: int, limit: float | None
     if limit is None:
         return None, None
     padded_E = (counts_E + (align - 1)) // align * align
-    C = int(padded_E.max())  # a host read: the CPU only (make_plan's docstring)
-    if counts_E.numel() * C > limit * int(padded_E.sum()):
+    C, total = torch.stack([padded_E.max(), padded_E.sum()]).tolist()  # one host read: the CPU only
+    if counts_E.numel() * C > limit * total:
         return None, None
     return torch.full_like(counts_E, C), C
 
