@@ -61,6 +61,9 @@ class ParallelConfig:
     # launcher's LOCAL_WORLD_SIZE)
     ep_hierarchy: str = "flat"
     ep_node_size: int = 0
+    # buffered EP on torch's functional collectives: an MoE layer's forward and backward trace into
+    # one graph with no host read (what CUDA-graph capture needs; docs/ep_wire.md "Capturable")
+    ep_capturable: bool = False
     # hot-expert replication (train/ep_replicas_train.py): copies of the R busiest experts on other EP
     # ranks, placed from the global counts every replica_interval steps; 0 = off
     replicate_hot_experts: int = 0
@@ -84,6 +87,20 @@ class ParallelConfig:
         _choice(f"{prefix}.dispatch_dtype", self.dispatch_dtype, payload.PAYLOADS)
         _choice(f"{prefix}.ep_dispatch", self.ep_dispatch, EP_DISPATCH)
         _choice(f"{prefix}.ep_hierarchy", self.ep_hierarchy, ("flat", "node"))
+        if not isinstance(self.ep_capturable, bool):
+            _fail(f"{prefix}.ep_capturable", self.ep_capturable, "must be true or false")
+        if self.ep_capturable:
+            why = [f"ep_mode={self.ep_mode!r}" if self.ep_mode != "buffered" else "",
+                   "on_overflow 'spill'" if self.ep_mode == "buffered" and self.overflow_policy == "spill" else "",
+                   f"dispatch_dtype={self.dispatch_dtype!r}" if self.dispatch_dtype != "native" else "",
+                   f"ep_dispatch={self.ep_dispatch!r}" if self.ep_dispatch != "all_to_all" else "",
+                   "ep_hierarchy='node'" if self.ep_hierarchy != "flat" else "",
+                   "check_collectives" if self.check_collectives else "",
+                   "replicate_hot_experts" if self.replicate_hot_experts else ""]
+            if any(why):
+                _fail(f"{prefix}.ep_capturable", True, "needs buffered mode with on_overflow skip or retry, the "
+                      "native payload, the flat all-to-all, no collective checks and no replicas; got "
+                      + ", ".join(w for w in why if w))
         g = self.ep_node_size
         if isinstance(g, bool) or not isinstance(g, int) or g < 0:
             _fail(f"{prefix}.ep_node_size", g, "must be an int >= 0 (0 = LOCAL_WORLD_SIZE)")

@@ -32,6 +32,9 @@ bf16 (the encoding's own gradient is the identity), so a low-precision payload h
 gradient's trip too; `native` sends it in the rows' dtype as before. The appended zero row
 is a row of zero bytes, which every payload decodes to zeros.
 
+Traceable (`all_to_all_traceable`, parallel.ep_capturable): the fixed-split exchange on torch's
+functional collectives, which torch.compile traces without a graph break; its autograd is torch's.
+
 Overlap (`all_to_all_start` / `all_to_all_wait`): the same exchange split into issue and wait, so a
 caller computes something else while it is in flight (the EP dispatcher runs the shared experts
 there). Two autograd functions: the start's forward issues (`async_op=True`) and returns the output
@@ -49,6 +52,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as _fc
 from torch.distributed import ProcessGroup
 
 from ..ops import payload as _payload
@@ -286,3 +290,17 @@ def reduce_scatter_rows(y: torch.Tensor, group: ProcessGroup | None) -> torch.Te
     """Block r of `y` ([P * N, ...]) summed over the ranks, to rank r. Differentiable (the backward is
     the gather of the gradient). The sum runs in y's dtype, in the backend's order."""
     return _ReduceScatter.apply(y, group)
+
+
+def all_to_all_traceable(x: torch.Tensor, group: ProcessGroup | None, zero_row: bool = False,
+                         differentiable: bool = True) -> torch.Tensor:
+    """`all_to_all_fixed` on torch's functional collectives, which dynamo traces into one graph (no
+    graph break, no host read): the form a CUDA-graph capture of the EP step needs
+    (parallel.ep_capturable). The same exchange and the same bits; the collective watch does not see
+    it (a traced collective cannot call back into Python)."""
+    world = dist.get_world_size(group)
+    if x.shape[0] % world:
+        raise ValueError(f"all_to_all_traceable: {x.shape[0]} rows do not split evenly over {world} ranks")
+    exchange = _fc.all_to_all_single_autograd if differentiable else _fc.all_to_all_single
+    y = _fc.wait_tensor(exchange(x.contiguous(), None, None, group if group is not None else dist.group.WORLD))
+    return torch.cat([y, y.new_zeros((1, *y.shape[1:]))]) if zero_row else y

@@ -89,6 +89,9 @@ class EPDispatcher:
     # "all_to_all", "ring" (ep_ring.py: all-gather the tokens, reduce-scatter the results), or "auto":
     # the ring where it sends fewer bytes (ep_ring.ring_sends_fewer)
     ep_dispatch: str = "all_to_all"
+    # buffered mode on functional collectives: the layer traces into one graph, no host read
+    # (parallel.ep_capturable; the precondition of a CUDA-graph capture)
+    capturable: bool = False
     # from the group and num_experts
     ep_size: int = field(init=False)
     rank: int = field(init=False)
@@ -101,6 +104,11 @@ class EPDispatcher:
         if not (factor == "auto" or factor == -1 or factor > 0):
             raise ValueError(f"ragged_buffer_factor={factor!r}: must be > 0, -1 or 'auto'")
         payload.check(self.dispatch_dtype)
+        if self.capturable and (mode != "buffered" or self.on_overflow == "spill" or self.dispatch_dtype != "native"
+                                or self.ep_dispatch != "all_to_all"):
+            raise ValueError("capturable=True: buffered mode, on_overflow 'skip' or 'retry', the native payload "
+                             f"and the all-to-all only (got mode={mode!r}, on_overflow={self.on_overflow!r}, "
+                             f"dispatch_dtype={self.dispatch_dtype!r}, ep_dispatch={self.ep_dispatch!r})")
         if self.ep_dispatch not in EP_DISPATCH:
             raise ValueError(f"ep_dispatch={self.ep_dispatch!r}: must be one of {', '.join(EP_DISPATCH)}")
         if self.ep_dispatch != "all_to_all" and self.on_overflow == "spill" and mode == "buffered":
@@ -171,7 +179,7 @@ class EPDispatcher:
             Cr = min(C, self.max_tokens)
         return Links(self.group, self.ep_size, self.num_experts, self.num_local, self.first_expert,
                      self.align, self.dedup, C, Cr, C is not None and self.on_overflow == "spill",
-                     self.dispatch_dtype)
+                     self.dispatch_dtype, self.capturable)
 
     def uses_ring(self, width: int, dtype: torch.dtype, slots: int) -> bool:
         """Whether a call of rows of this width and dtype goes by the ring: "auto" compares the two
@@ -235,4 +243,4 @@ def build_ep_dispatcher(layer: MoELayer, cfg: ParallelConfig, group: ProcessGrou
                         dedup=cfg.dedup, ragged_buffer_factor=cfg.ragged_buffer_factor,
                         max_tokens=cfg.max_tokens_per_rank, top_k=moe.top_k, on_overflow=cfg.overflow_policy,
                         overlap_shared=cfg.overlap_shared, dispatch_dtype=cfg.dispatch_dtype,
-                        ep_dispatch=cfg.ep_dispatch)
+                        ep_dispatch=cfg.ep_dispatch, capturable=cfg.ep_capturable)

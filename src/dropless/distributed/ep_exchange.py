@@ -97,6 +97,7 @@ class Links:
     row_slots: int | None  # Cr, token-row slots per link (de-dup); None: exact mode
     spill: bool  # buffered with on_overflow "spill": the count exchange carries each rank's overflow
     payload: str = "native"  # the token rows' encoding on the wire (ops/payload.py, parallel.dispatch_dtype)
+    traceable: bool = False  # buffered: functional collectives, traced without a graph break (ep_capturable)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,6 +116,7 @@ class EPMeta(DispatchMeta):
     rows_recv: int  # de-dup: B, received token rows
     # the return trip: splits (exact) or None (buffered, fixed)
     splits_back: tuple[tuple[int, ...], tuple[int, ...]] | None
+    traceable: bool  # the return trip on functional collectives (Links.traceable)
     # statistics
     bytes_sent: torch.Tensor
     bytes_sent_without_dedup: torch.Tensor
@@ -142,6 +144,8 @@ def dispatch(x_TD: torch.Tensor, decision: RoutingDecision, links: Links,
     (None: the blocking exchange, nothing run). Fourth, in spill mode, what did not fit."""
     def send(t: torch.Tensor, out_s: tuple | None, in_s: tuple | None, zero_row: bool = False,
              payload: str = "native") -> object:
+        if links.traceable:  # buffered, native rows (EPDispatcher checks): one traced exchange
+            return comm.all_to_all_traceable(t, links.group, zero_row)
         if during is not None:
             return comm.all_to_all_start(t, out_s, in_s, links.group, zero_row, payload)
         if out_s is None:
@@ -171,7 +175,9 @@ def dispatch(x_TD: torch.Tensor, decision: RoutingDecision, links: Links,
     spill = links.spill
     overflow = src.pairs_P.sum() - kept_P.sum()
     info = [src.kept_PL, rows_P[:, None]] + ([overflow.expand(Pn, 1)] if spill else [])
-    recv_PX = comm._exchange(torch.cat(info, 1).reshape(-1), None, None, links.group).view(Pn, L + 1 + spill)
+    info = torch.cat(info, 1).reshape(-1)
+    recv_PX = (comm.all_to_all_traceable(info, links.group, differentiable=False) if links.traceable
+               else comm._exchange(info, None, None, links.group)).view(Pn, L + 1 + spill)
     counts_SL = recv_PX[:, :L]  # pairs from source s for local expert l
 
     # 2. sizes: host read (exact) or static (buffered)
@@ -280,7 +286,7 @@ def dispatch(x_TD: torch.Tensor, decision: RoutingDecision, links: Links,
     meta = EPMeta(pairs_dropped=overflow, first_expert=links.first_expert,
                   num_local=L, link_demand=demand, num_tokens=T, back_seg=back_seg,
                   back_bags=back_bags, row_n=lay.row_n, valid_n=lay.valid_n, src_R=src_R,
-                  presum_bags=presum_bags, rows_recv=n_rows_recv, splits_back=splits_back,
+                  presum_bags=presum_bags, rows_recv=n_rows_recv, splits_back=splits_back, traceable=links.traceable,
                   bytes_sent=bytes_sent, bytes_sent_without_dedup=bytes_plain, bytes_back=bytes_back,
                   pairs_spilled=overflow.new_zeros(()) if spill else None)
     batch = ExpertBatch(x_RD, lay.offsets_L, weights_R=w_R)
@@ -305,7 +311,9 @@ def combine(y_RD: torch.Tensor, meta: EPMeta, group: ProcessGroup | None) -> tor
         y_send = y_RD.index_select(0, torch.where(meta.valid_n, meta.row_n, 0))
     else:
         y_send = y_RD.index_select(0, meta.row_n)  # exact mode: every slot holds a pair
-    if buffered:
+    if meta.traceable:
+        y_back = comm.all_to_all_traceable(y_send, group, zero_row=not dedup)
+    elif buffered:
         y_back = comm.all_to_all_fixed(y_send, group, zero_row=not dedup)
     else:
         out_splits, in_splits = meta.splits_back
