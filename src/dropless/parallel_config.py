@@ -90,13 +90,14 @@ class ParallelConfig:
         if not isinstance(self.ep_capturable, bool):
             _fail(f"{prefix}.ep_capturable", self.ep_capturable, "must be true or false")
         if self.ep_capturable:
-            why = [f"ep_mode={self.ep_mode!r}" if self.ep_mode != "buffered" else "",
-                   "on_overflow 'spill'" if self.ep_mode == "buffered" and self.overflow_policy == "spill" else "",
-                   f"dispatch_dtype={self.dispatch_dtype!r}" if self.dispatch_dtype != "native" else "",
-                   f"ep_dispatch={self.ep_dispatch!r}" if self.ep_dispatch != "all_to_all" else "",
-                   "ep_hierarchy='node'" if self.ep_hierarchy != "flat" else "",
-                   "check_collectives" if self.check_collectives else "",
-                   "replicate_hot_experts" if self.replicate_hot_experts else ""]
+            P = prefix
+            why = [f"{P}.ep_mode={self.ep_mode!r}" if self.ep_mode != "buffered" else "",
+                   f"{P}.on_overflow='spill'" if self.ep_mode == "buffered" and self.overflow_policy == "spill" else "",
+                   f"{P}.dispatch_dtype={self.dispatch_dtype!r}" if self.dispatch_dtype != "native" else "",
+                   f"{P}.ep_dispatch={self.ep_dispatch!r}" if self.ep_dispatch != "all_to_all" else "",
+                   f"{P}.ep_hierarchy='node'" if self.ep_hierarchy != "flat" else "",
+                   f"{P}.check_collectives=true" if self.check_collectives else "",
+                   f"{P}.replicate_hot_experts={self.replicate_hot_experts}" if self.replicate_hot_experts else ""]
             if any(why):
                 _fail(f"{prefix}.ep_capturable", True, "needs buffered mode with on_overflow skip or retry, the "
                       "native payload, the flat all-to-all, no collective checks and no replicas; got "
