@@ -147,8 +147,9 @@ class EPDispatcher:
 
     def exact(self) -> "EPDispatcher":
         """The same dispatcher in exact mode: any number of tokens per rank, never drops (one host
-        read of the split sizes per call). For evaluation, where ranks may hold different batches."""
-        return replace(self, mode="exact")
+        read of the split sizes per call). For evaluation, where ranks may hold different batches
+        (uncaptured: `capturable` is buffered mode's)."""
+        return replace(self, mode="exact", capturable=False)
 
     def worst_case(self) -> "EPDispatcher":
         """The same dispatcher with worst-case buffers: the retry of an overflowing step."""
