@@ -66,6 +66,9 @@ def _worker(rank: int, world: int) -> None:
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert min(drops) == 0 < max(drops), drops  # overflowing calls and others, one graph for both
     assert graphs[0] >= 1 and graphs[-1] == graphs[0], graphs  # compiled once, never again
+    # evaluation's exact-mode variant is a plain (uncaptured) dispatcher, not a refused one
+    ex = traced.dispatcher.exact()
+    assert (ex.mode, ex.capturable, traced.dispatcher.worst_case().capturable) == ("exact", False, True)
     torch._dynamo.reset()
     plain = _layer(world, False, 1.0)
     with pytest.raises(Exception, match="Unsupported|graph break|call_method"):
