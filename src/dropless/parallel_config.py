@@ -48,7 +48,7 @@ class ParallelConfig:
     a2a_alarm_ratio: float = 1.5  # health alarm when an interval's all-to-all time exceeds this x baseline
     # EP with shared experts: compute them while the dispatch all-to-all is in flight (docs/ep_health.md "Overlap")
     overlap_shared: bool = True
-    # the token rows' encoding in the dispatch all-to-all (ops/payload.py, docs/ep_dispatch.md "Payload"):
+    # the token rows' encoding in the dispatch all-to-all (ops/payload.py, docs/ep_wire.md "Low-precision payload"):
     # "native" (the rows' dtype), "bf16", "mxfp8", "fp8_blockwise"; gradients then travel back in bf16.
     # One process rounds the rows the same way, so every EP size trains the same numbers
     dispatch_dtype: str = "native"
