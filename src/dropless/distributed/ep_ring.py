@@ -18,8 +18,8 @@ What travels (every rank sends the same sizes, no count exchange):
    zero) and `reduce_scatter` sums the P ranks' shares of block r on rank r. The sum over ranks runs
    in the rows' dtype, in the backend's order: fp32 noise against the all-to-all's rank-order sum.
 
-Sizes: exact mode reads on the host, once per call, the largest T of the group and the number of
-local pairs (so any T per rank and no drop). Buffered mode reads nothing: M = max_tokens and the
+Sizes: exact mode reads on the host the largest T of the group and then the number of local pairs
+(two reads per call; so any T per rank and no drop). Buffered mode reads nothing: M = max_tokens and the
 local pairs are bounded by B = P x the all-to-all's link capacity (the same `ragged_buffer_factor`),
 pairs past it dropped and counted as overflow, as a buffered all-to-all counts them (skip or retry;
 spill is the all-to-all's and is refused with the ring).
