@@ -44,7 +44,7 @@ from .moe_config import (
 from .attn_config import ATTENTIONS, YarnConfig, check_attention  # noqa: F401  (re-exported)
 from .model_knobs import check_model_knobs, moe_layer_ids  # noqa: E402
 
-from .parallel_config import EP_MODES, ON_OVERFLOW, ParallelConfig  # noqa: F401,E402  (re-exported)
+from .parallel_config import EP_DISPATCH, EP_MODES, ON_OVERFLOW, ParallelConfig  # noqa: F401,E402  (re-exported)
 from .pipeline_config import check_pipeline_run  # noqa: E402
 from .lora_config import LORA_BASES, LORA_TARGETS, LoRAConfig, check_lora_model  # noqa: F401,E402
 from .train_config import (  # noqa: F401,E402  (re-exported)

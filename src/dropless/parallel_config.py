@@ -16,8 +16,8 @@ from .pipeline_config import SCHEDULES, PipelineSpec
 
 
 EP_MODES = ("exact", "buffered")
-ON_OVERFLOW = ("skip", "retry", "spill")
-EP_DISPATCH = ("all_to_all", "ring", "auto")  # parallel.ep_dispatch  # buffered EP: what happens to pairs that did not fit
+ON_OVERFLOW = ("skip", "retry", "spill")  # buffered EP: what happens to pairs that did not fit
+EP_DISPATCH = ("all_to_all", "ring", "auto")  # parallel.ep_dispatch
 
 
 @dataclass
@@ -164,6 +164,12 @@ class ParallelConfig:
             self.pipeline  # noqa: B018  (the spec's own checks)
         else:
             _choice(f"{prefix}.pp_schedule", self.pp_schedule, SCHEDULES)
+
+    @property
+    def hier_node_size(self) -> int | None:
+        """`ep_node_size` when the two-level dispatch is on (0: the launcher's), else None: what
+        distributed/mesh.py `build_meshes` takes."""
+        return self.ep_node_size if self.ep_hierarchy == "node" else None
 
     @property
     def pipeline(self) -> PipelineSpec:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from ..config import ParallelConfig
+from ..config import EP_DISPATCH, ParallelConfig
 from ..layers.dispatch import dispatch_align
 from ..layers.experts import ExpertBatch
 from ..layers.moe import MoELayer
@@ -42,7 +42,6 @@ __all__ = ["EPDispatcher", "build_ep_dispatcher", "link_capacity", "local_expert
 
 # ragged_buffer_factor "auto" before the first check has sized the links (the fixed default's factor)
 AUTO_START_FACTOR = 2.0
-EP_DISPATCH = ("all_to_all", "ring", "auto")
 
 
 def must_invalidate(overflow: torch.Tensor) -> torch.Tensor:

@@ -49,8 +49,7 @@ from ..layers.moe import MoELayer
 from . import comm
 from .ep import EPDispatcher
 from .ep_plan import BagSum, bags
-
-_SLOT_BYTES = 8  # per slot of a routing row: int32 expert id + fp32 weight
+from .ep_ring import _SLOT_BYTES  # per slot of a routing row: int32 expert id + fp32 weight
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,10 +142,6 @@ class HierEPDispatcher(EPDispatcher):
                         bytes_back=inner_meta.bytes_back + S * (gb + K * 4),
                         bytes_inter_node=x_TD.new_full((), away, **i64))
         return batch, meta, extra
-
-    def dispatch(self, x_TD: torch.Tensor, decision: RoutingDecision) -> tuple[ExpertBatch, HierMeta]:
-        batch, meta, _ = self.dispatch_overlapped(x_TD, decision, None)
-        return batch, meta
 
     def combine(self, y_RD: torch.Tensor, meta: HierMeta) -> torch.Tensor:
         """Reduce inside the node, one row per received token back over the rail, sum per token."""

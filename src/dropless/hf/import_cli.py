@@ -77,8 +77,7 @@ def write_run_sharded(hf_dir: str | Path, out: str | Path, overrides: list[str],
     if failed.item():
         raise ValueError("rank 0 refused the import (its error is above)")
     try:
-        p = cfg.parallel
-        meshes = build_meshes(p.ep_size, "cpu", p.ep_node_size if p.ep_hierarchy == "node" else None)
+        meshes = build_meshes(cfg.parallel.ep_size, "cpu", cfg.parallel.hier_node_size)
         loader = import_hf.WeightLoader(hf_dir, progress and rank == 0)
         model, names, _ = build_model(cfg.model, torch.device("cpu"), 0, meshes, cfg.parallel, loader)
         state = {"step": 0, "rng": ckpt.rng_state(), "config": to_dict(cfg), "world_size": dist.get_world_size(),

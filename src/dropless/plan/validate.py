@@ -139,7 +139,7 @@ def measure(cfg: RunConfig, steps: int, distributed: bool) -> dict[str, int]:
     t = cfg.train
     torch.manual_seed(t.seed)
     p = cfg.parallel.with_token_bound(t.batch_size * t.seq_len)
-    meshes = build_meshes(p.ep_size, "cpu", p.ep_node_size if p.ep_hierarchy == "node" else None) if distributed else None
+    meshes = build_meshes(p.ep_size, "cpu", p.hier_node_size) if distributed else None
     model, names, _ = build_model(cfg.model, torch.device("cpu"), t.seed, meshes, p)
     opt = build_optimizer(model, t)
     out: dict[str, int] = {"params": _storage_bytes(list(model.parameters()))}

@@ -118,8 +118,7 @@ def place_model(cfg: RunConfig, layout: Layout, init_weights: Fill | None = None
     # Built on the meta device, parallelised there, then each rank allocates and fills its own
     # shards (distributed/materialize.py): the initial weights are a function of (train.seed,
     # parameter name), the same at every world size and EP layout
-    meshes = build_meshes(p.ep_size, layout.device.type, p.ep_node_size if p.ep_hierarchy == "node" else None) \
-        if layout.distributed else None
+    meshes = build_meshes(p.ep_size, layout.device.type, p.hier_node_size) if layout.distributed else None
     model, names, counts = build_model(cfg.model, layout.device, cfg.train.seed, meshes, p, init_weights,
                                        cfg.train.lora)
     layout = dataclasses.replace(layout, param_counts=counts)
