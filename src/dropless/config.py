@@ -314,10 +314,13 @@ class RunConfig:
         self.parallel.check_run(self.model.moe, self.train.batch_size * self.train.seq_len, self.train.optimizer)
         check_lora_model(self.train.lora, self.model, self.parallel, self.train.optimizer)
         check_pipeline_run(self)
-        if self.train.compile == "step" and self.parallel.ep_size > 1:
-            _fail("train.compile", "step", f"with parallel.ep_size={self.parallel.ep_size}: the whole step "
-                  "compiles in one process (FSDP2's hooks and the gradient norm's collectives break its "
-                  "graphs); use train.compile=blocks under several processes")
+        p = self.parallel
+        if self.train.compile == "step" and p.ep_size > 1 and (p.fsdp or not p.ep_capturable):
+            _fail("train.compile", "step", f"with parallel.ep_size={p.ep_size}: the whole step is one graph "
+                  "only on the traceable parts: set parallel.fsdp=false (FSDP2's hooks cannot be traced) "
+                  "and parallel.ep_capturable=true (buffered EP on functional collectives), or use "
+                  f"train.compile=blocks (got parallel.fsdp={str(p.fsdp).lower()}, "
+                  f"parallel.ep_capturable={str(p.ep_capturable).lower()})")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:

@@ -64,6 +64,11 @@ class ParallelConfig:
     # buffered EP on torch's functional collectives: an MoE layer's forward and backward trace into
     # one graph with no host read (what CUDA-graph capture needs; docs/ep_wire.md "Capturable")
     ep_capturable: bool = False
+    # false: no FSDP2; every rank holds the whole dense model and its EP slice of the experts, and
+    # the trainer all-reduces the gradients (distributed/replicated.py). FSDP2's hooks cannot be
+    # traced, so this is the layout under which the whole step compiles across processes
+    # (train.compile=step); it costs the dense weights' and their optimizer state's memory per rank
+    fsdp: bool = True
     # hot-expert replication (train/ep_replicas_train.py): copies of the R busiest experts on other EP
     # ranks, placed from the global counts every replica_interval steps; 0 = off
     replicate_hot_experts: int = 0
@@ -87,6 +92,11 @@ class ParallelConfig:
         _choice(f"{prefix}.dispatch_dtype", self.dispatch_dtype, payload.PAYLOADS)
         _choice(f"{prefix}.ep_dispatch", self.ep_dispatch, EP_DISPATCH)
         _choice(f"{prefix}.ep_hierarchy", self.ep_hierarchy, ("flat", "node"))
+        if not isinstance(self.fsdp, bool):
+            _fail(f"{prefix}.fsdp", self.fsdp, "must be true or false")
+        if not self.fsdp and self.pp_size > 1:
+            _fail(f"{prefix}.fsdp", False, f"with parallel.pp_size={self.pp_size}: pipeline stages shard "
+                  "their blocks with FSDP2 (distributed/pipeline.py); leave parallel.fsdp=true")
         if not isinstance(self.ep_capturable, bool):
             _fail(f"{prefix}.ep_capturable", self.ep_capturable, "must be true or false")
         if self.ep_capturable:

@@ -150,9 +150,18 @@ def test_cuda_graphs_refused_off_cuda_before_anything_is_written(tmp_path: Path)
 
 
 def test_several_processes_are_refused_before_anything_starts(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """The whole step compiles in one process: EP in the config, or --nproc > 1 at the launcher."""
-    with pytest.raises(ValueError, match="train.compile='step': with parallel.ep_size=2"):
+    """Across processes the whole step compiles only without FSDP2 and, with EP, on the capturable
+    layer (tests/distributed/test_compile_step_ep.py runs it): EP in the config, or --nproc > 1 at
+    the launcher, refused otherwise, naming the fields to set."""
+    with pytest.raises(ValueError, match="train.compile='step': with parallel.ep_size=2.*parallel.fsdp=false.*"
+                                         r"got parallel.fsdp=true, parallel.ep_capturable=false"):
         tiny("train.compile=step", "parallel.ep_size=2")
+    buffered = ("parallel.ep_size=2", "parallel.ep_mode=buffered", "parallel.ep_capturable=true")
+    with pytest.raises(ValueError, match="got parallel.fsdp=true, parallel.ep_capturable=true"):
+        tiny("train.compile=step", *buffered)
+    tiny("train.compile=step", *buffered, "parallel.fsdp=false")  # accepted
+    with pytest.raises(ValueError, match="parallel.fsdp=False: with parallel.pp_size=2"):
+        tiny("parallel.fsdp=false", "parallel.pp_size=2")
     from dropless.train import run
 
     assert run.main(["--nproc", "2", "--run-dir", str(tmp_path / "run"), "--set", "train.compile=step"]) == 2

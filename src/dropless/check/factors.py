@@ -103,6 +103,9 @@ FACTORS: list[tuple[str, dict[str, list[str]]]] = [
                 "ep2-buf-ring": [*BUFFERED, "parallel.ep_dispatch=ring", "parallel.on_overflow=retry"],
                 # buffered EP on functional collectives: traced without a graph break where compiled
                 "ep2-buf-capture": [*BUFFERED, "parallel.ep_capturable=true", "parallel.on_overflow=retry"],
+                # ... without FSDP2 (dense weights whole on every rank): the whole step compiles
+                "ep2-buf-capture-repl": [*BUFFERED, "parallel.ep_capturable=true", "parallel.on_overflow=retry",
+                                         "parallel.fsdp=false"],
                 # two-level dispatch: the two ranks as two nodes of one (rail trip, then a node of one)
                 "ep2-node": [*EP2, "parallel.ep_hierarchy=node", "parallel.ep_node_size=1"],
                 # pipeline stages: two ranks of one stage each; zbv's two stages per rank need 4 blocks

@@ -13,6 +13,7 @@ each parameter this process holds by `local_rows`:
                                                     last shards may be short or empty)
     routed experts (EP slice j, then Shard(0) over edp)  rows j * L + [c * i, c * (i + 1)) of E,
                                                     L = E / ep, c = ceil(L / edp)
+    routed experts without FSDP (parallel.fsdp=false) rows j * L + [0, L) of E
     buffers and anything unsharded                  all rows
 
 The expert rows are the checkpoint mesh's layout (parallelize.py's note): EP slices first, edp
@@ -54,8 +55,8 @@ def local_rows(meshes: Meshes, expert_names: list[str]) -> init.Where:
     ep, j = meshes.mesh.size(1), meshes.mesh.get_local_rank(1)
 
     def where(name: str, p: torch.Tensor) -> init.LocalRows:
-        if not isinstance(p, DTensor):
-            return init.whole(name, p)
+        if not isinstance(p, DTensor):  # unsharded; a routed expert's is its EP slice (parallel.fsdp=false)
+            return init.LocalRows(p.data, j * p.shape[0], p.shape[0] * ep) if name in experts else init.whole(name, p)
         local = p.to_local()
         rows = p.shape[0]
         start = _chunk_start(rows, p)

@@ -24,6 +24,9 @@ Order (each step assumes the one before):
 4. FSDP2 on each block over dp (attention, norms, dense MLPs, shared experts: the parameters the
    inner units do not already own), then on the root (embeddings, final norm, tied LM head).
 
+With `parallel.fsdp = false` only step 1 is applied: every rank holds the whole dense model and its
+EP slice of the experts as plain tensors (replicated.py finishes their gradients).
+
 After this every parameter element lives on exactly one rank (dense: one of W dp shards; experts: one
 ep slice, one of edp shards of it), which is what `grad_norm_` and the checkpoints rely on.
 
@@ -78,8 +81,11 @@ def parallelize_model(model: MoEModel, meshes: Meshes, cfg: ParallelConfig) -> l
         if isinstance(module, MoELayer):
             shard_moe_layer(module, meshes.ep_group, cfg, meshes.ep_hier)
             expert_names += [f"{name}.experts.{p}" for p, _ in module.experts.named_parameters()]
-            fully_shard(module.experts, mesh=meshes.mesh["edp"])
-            fully_shard(module.router, mesh=meshes.dp)
+            if cfg.fsdp:
+                fully_shard(module.experts, mesh=meshes.mesh["edp"])
+                fully_shard(module.router, mesh=meshes.dp)
+    if not cfg.fsdp:  # replicated (replicated.py): plain tensors, gradients all-reduced by the trainer
+        return expert_names
     blocks = model.blocks.values() if isinstance(model.blocks, nn.ModuleDict) else model.blocks
     for block in blocks:
         fully_shard(block, mesh=meshes.dp)

@@ -12,6 +12,8 @@ What each component is (the layout is distributed/parallelize.py's: EP, then FSD
   FSDP-sharded over all W ranks, the routed experts first sliced to L experts by EP, then sharded over
   edp. FSDP2 shards dim 0 in ceil(n / W) rows and pads every rank's storage to that, so the busiest
   rank (rank 0) holds ceil(dim0 / W) * rest of every parameter. W = 1 is the plain one-process trainer.
+  Without FSDP2 (`parallel.fsdp = false`, distributed/replicated.py) nothing is sharded over dp or
+  edp: every rank holds what W = 1 holds, with the routed experts cut to its L, and no FSDP gather.
   A LoRA run (train.lora) is counted from the same model built with its adapters: the trainable
   parameters (the adapters, the routers when "router" is a target) in fp32, and the frozen base as
   it is held (layers/frozen_base.py): the meta model already holds its frozen matrices in bf16 for
@@ -136,7 +138,10 @@ def shard_elements(cfg: RunConfig, world: int, model: MoEModel | RankModules | N
     FSDP units for the gather ('root', 'block') (module note). `model`: cfg's model on the meta device,
     or a pipeline rank's part of it (`world` then the ranks of its stage)."""
     ep = cfg.parallel.ep_size
-    edp = world // ep
+    # without FSDP2 (parallel.fsdp=false) nothing is sharded over dp or edp: every rank holds the
+    # whole dense model and its EP slice (distributed/replicated.py)
+    shard = world if cfg.parallel.fsdp else 1
+    edp = shard // ep if cfg.parallel.fsdp else 1
     base = cfg.train.lora.base if cfg.train.lora.enabled else "fp32"
     packed = base in frozen_base.PACKED
     if packed and world > 1:
@@ -148,7 +153,7 @@ def shard_elements(cfg: RunConfig, world: int, model: MoEModel | RankModules | N
         dim0 = p.shape[0] if p.dim() else 1
         if name.rsplit(".", 1)[-1] in EXPERT_PARAMS:
             local0 = dim0 // ep
-            n = _shard(p.numel() // ep, local0, edp if world > 1 else 1)
+            n = _shard(p.numel() // ep, local0, edp if shard > 1 else 1)
             if p.requires_grad:
                 experts += n
             elif packed:  # one process: the whole local stack, packed
@@ -157,7 +162,7 @@ def shard_elements(cfg: RunConfig, world: int, model: MoEModel | RankModules | N
                 frozen += n * p.element_size()
             tensors += p.requires_grad
             continue
-        n = _shard(p.numel(), dim0, world)
+        n = _shard(p.numel(), dim0, shard)
         if p.requires_grad:
             dense, tensors = dense + n, tensors + 1
         else:
@@ -216,7 +221,7 @@ def _assemble(cfg: RunConfig, world: int, stage_world: int, tokens: int, bf16: b
     grads = 4 * shards
     params = grads + el["frozen"]
     optimizer = MOMENT_BYTES[t.optimizer] * shards + 4 * el["tensors"]
-    fsdp = el["root"] + 2 * el["block"] if stage_world > 1 else 0
+    fsdp = el["root"] + 2 * el["block"] if stage_world > 1 and cfg.parallel.fsdp else 0
     unit_grad = 4 * shards // max(cfg.model.n_layers, 1)
     live_grads = grads if accumulates else min(grads, unit_grad)
     peak = params + optimizer + activations + ep_buf + pp_buf + fsdp + loss_grad + live_grads

@@ -131,6 +131,7 @@ def measure(cfg: RunConfig, steps: int, distributed: bool) -> dict[str, int]:
     """One rank's measured bytes (module note); the trainer's build and step, on random tokens."""
     from ..distributed import comm
     from ..distributed import parallelize as par
+    from ..distributed import replicated
     from ..distributed.materialize import build_model
     from ..distributed.mesh import build_meshes
     from ..layers import offload
@@ -183,7 +184,9 @@ def measure(cfg: RunConfig, steps: int, distributed: bool) -> dict[str, int]:
             out["ep_buffers"] = sum(sent) // n_moe if sent and n_moe else 0
             res.loss.backward()
             del res
-            if distributed:
+            if distributed and not cfg.parallel.fsdp:
+                replicated.finish_grads_(model, names, meshes, t.grad_clip)
+            elif distributed:
                 par.finish_grads_(model, names, meshes.mesh.size(1), t.grad_clip, meshes.dp_group)
             out["grads"] = _storage_bytes([q.grad for q in model.parameters() if q.grad is not None])
             opt.step()

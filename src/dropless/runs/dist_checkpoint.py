@@ -26,7 +26,10 @@ exception: after EP each rank holds a different slice of E under the same name, 
 [L, ...] tensor on the edp mesh. Before saving (and loading) they are re-described, without a copy, as
 DTensors of the global [E, ...] shape on the (ep, edp) checkpoint mesh with placements (Shard(0),
 Shard(0)) (distributed/parallelize.py): each rank's bytes land at their global offset, so a checkpoint
-written at (ep, edp) = (2, 2) loads at (2, 1), (1, 2), or one process's plain [E, ...] tensor.
+written at (ep, edp) = (2, 2) loads at (2, 1), (1, 2), or one process's plain [E, ...] tensor. Without
+FSDP2 (parallel.fsdp=false, distributed/replicated.py) the dense tensors are plain and whole on every
+rank (DCP saves one copy) and an expert's [L, ...] slice is (Shard(0), Replicate()): the same
+checkpoint format, so either layout resumes the other's.
 
 A LoRA run (train.lora, the model's `lora` set) saves and loads what trains (the adapters, a trained
 router), the buffers and the optimizer state, never its frozen base: the base is rebuilt from
@@ -58,7 +61,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..distributed.mesh import Meshes
 from . import checkpoint as ckpt
@@ -74,19 +77,29 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def _to_global(t: DTensor, meshes: Meshes) -> DTensor:
-    """An expert tensor [L, ...] on the edp mesh -> the same bytes as [E, ...] on the ckpt mesh."""
+def _to_global(t: torch.Tensor, meshes: Meshes) -> DTensor:
+    """An expert tensor [L, ...] on the edp mesh -> the same bytes as [E, ...] on the ckpt mesh. A
+    plain [L, ...] (parallel.fsdp=false) is the same on every edp rank: Replicate() over edp."""
     ep = meshes.mesh.size(1)
     shape = (t.shape[0] * ep, *t.shape[1:])
-    return DTensor.from_local(t.to_local(), meshes.expert_ckpt, [Shard(0), Shard(0)], run_check=False,
+    local, inner = (t.to_local(), Shard(0)) if isinstance(t, DTensor) else (t, Replicate())
+    return DTensor.from_local(local, meshes.expert_ckpt, [Shard(0), inner], run_check=False,
                               shape=torch.Size(shape), stride=_contiguous_stride(shape))
 
 
-def _to_local(t: DTensor, meshes: Meshes) -> DTensor:
+def _to_local(t: DTensor, meshes: Meshes) -> torch.Tensor:
+    if isinstance(t.placements[1], Replicate):  # the replicated layout's plain [L, ...]
+        return t.to_local()
     ep = meshes.mesh.size(1)
     shape = (t.shape[0] // ep, *t.shape[1:])
     return DTensor.from_local(t.to_local(), meshes.mesh["edp"], [Shard(0)], run_check=False,
                               shape=torch.Size(shape), stride=_contiguous_stride(shape))
+
+
+def _expert_state(v: Any) -> bool:
+    """An optimizer state tensor shaped like its expert parameter (a DTensor under FSDP2, a plain
+    [L, ...] without it), not a scalar such as AdamW's step."""
+    return isinstance(v, DTensor) or (isinstance(v, torch.Tensor) and v.dim() > 0)
 
 
 def _convert(model_sd: dict, optim_sd: dict | None, experts: Sequence[str], fn: Callable,
@@ -94,7 +107,7 @@ def _convert(model_sd: dict, optim_sd: dict | None, experts: Sequence[str], fn: 
     model_sd = {k: fn(v) if k in experts else v for k, v in model_sd.items()}
     if optim_sd is None:
         return model_sd, None
-    state = {k: ({n: fn(v) if isinstance(v, DTensor) else v for n, v in s.items()} if k in experts else s)
+    state = {k: ({n: fn(v) if _expert_state(v) else v for n, v in s.items()} if k in experts else s)
              for k, s in optim_sd["state"].items()}
     return model_sd, {**optim_sd, "state": state}
 

@@ -11,7 +11,8 @@ checkpoint read slice by slice); then the collective watch and the hot-expert re
 from the mesh.
 
 The layout also says how a step's gradients are finished: over the mesh (the expert gradients
-divided by the EP size, one global norm) or, in one process, plain clipping.
+divided by the EP size, one global norm), all-reduced first without FSDP2 (`parallel.fsdp = false`,
+distributed/replicated.py), or, in one process, plain clipping.
 
 Pipeline stages (`parallel.pp_size` > 1, distributed/pipeline.py): the (pp, edp, ep) mesh; this rank
 builds, parallelises and fills only its stages, and the trainer holds them as one `PipelineModel`
@@ -32,6 +33,7 @@ from .. import device as devices
 from ..config import ParallelConfig, RunConfig
 from ..device import Placement
 from ..distributed import parallelize as par
+from ..distributed import replicated
 from ..distributed.materialize import Fill, build_model
 from ..distributed.mesh import Meshes, build_meshes, build_pipeline_meshes
 from ..distributed.pipeline import Pipeline
@@ -73,6 +75,8 @@ class Layout:
         `grad_clip` unless 0."""
         if self.pipeline is not None:
             return self.pipeline.clip_grad_norm_(grad_clip)
+        if self.meshes is not None and not self.parallel.fsdp:
+            return replicated.finish_grads_(model, self.expert_names, self.meshes, grad_clip)
         if self.meshes is not None:
             return par.finish_grads_(model, self.expert_names, self.meshes.mesh.size(1), grad_clip,
                                      self.meshes.dp_group)

@@ -94,10 +94,10 @@ class Trainer:
         self.layout, self.model = place_model(cfg, self.layout, fill, packed=packed)
         lay = self.layout
         check_cuda_graphs(t, lay.device)  # before anything is written
-        if t.compile == "step" and lay.distributed:  # (ep_size > 1 is refused by the config itself)
-            raise ValueError(f"train.compile='step' with {lay.world_size} processes: the whole step compiles in "
-                             "one process (FSDP2's hooks and the gradient norm's collectives break its "
-                             "graphs); use train.compile=blocks under several processes")
+        if t.compile == "step" and lay.distributed and cfg.parallel.fsdp:  # (the EP settings: config.py)
+            raise ValueError(f"train.compile='step' with {lay.world_size} processes and parallel.fsdp=true: "
+                             "FSDP2's hooks cannot be traced; set parallel.fsdp=false (the replicated "
+                             "layout, distributed/replicated.py), or use train.compile=blocks")
         # train.compile: the blocks, or the whole model, compiled in place (names, state and
         # checkpoints unchanged); under "step" also the gradient norm and the update (compile_step.py)
         self.compiled = (compiling.compile_blocks(self.model, lay.device, t.compile_backend)

@@ -221,9 +221,9 @@ def main(argv: list[str] | None = None) -> int:
             run_dir = choose_run_dir(args, path.stem)
             cfg = resolve_config(args, path, run_dir)  # a bad config fails here, before N processes start
             world = args.nproc * args.nnodes
-            if cfg.train.compile == "step" and world > 1:  # (the Trainer refuses it too, per rank)
-                raise ValueError(f"train.compile='step' with --nproc {args.nproc}: the whole step compiles in one "
-                                 "process; use train.compile=blocks under several processes")
+            if cfg.train.compile == "step" and world > 1 and cfg.parallel.fsdp:  # (the Trainer refuses it too)
+                raise ValueError(f"train.compile='step' with --nproc {args.nproc} and parallel.fsdp=true: FSDP2's "
+                                 "hooks cannot be traced; set parallel.fsdp=false, or use train.compile=blocks")
             p = cfg.parallel  # a two-level dispatch spans nodes by design (distributed/ep_hier.py)
             check_layout(p.pp_size, p.ep_size, world, world if p.ep_hierarchy == "node" else args.nproc)
             return launch(args, argv, run_dir)
