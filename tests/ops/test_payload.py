@@ -97,3 +97,77 @@ def test_round_rows_is_straight_through() -> None:
 def test_unknown_payload_refused() -> None:
     with pytest.raises(ValueError, match="dispatch_dtype='e5m2'"):
         payload.check("e5m2")
+
+
+# -- mxfp8 experts take the decoded rows as they are ------------------------------------------------
+
+def _gemm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, rows_format: str | None):
+    from dropless.ops.quant_gemm import quant_grouped_mm
+
+    x, w = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    y = quant_grouped_mm(x, w, offsets, "mxfp8", rows_format)
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(7)))
+    return y.detach(), x.grad, w.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp8_gemm_skips_its_forward_quantisation_of_exact_rows(dtype: torch.dtype,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows an mxfp8 payload decoded (`exact_format`) into an mxfp8 GEMM: the forward takes them as they
+    are, one quantisation pass fewer, and y, dx and dw are the same bits. The rows of a native payload
+    are not exact: the same promise about them changes y (what would catch a wrong promise)."""
+    from dropless.ops import quant_gemm
+
+    gen = torch.Generator().manual_seed(3)
+    x = _rows(96, 64).to(dtype)[torch.randperm(96, generator=gen)] * 1e-3
+    w = torch.randn(3, 64, 32, generator=gen).to(dtype)
+    offsets = torch.tensor([32, 32, 96], dtype=torch.int32)  # an empty expert in the middle
+    fmt = payload.exact_format("mxfp8")
+    assert fmt == "mxfp8_e4m3" and payload.exact_format("fp8_blockwise") is None
+    assert payload.exact_format("native") is None and payload.exact_format("bf16") is None
+    xr = payload.round_rows(x, "mxfp8").detach()
+    calls = []
+    real = quant_gemm._fq_rows
+    monkeypatch.setattr(quant_gemm, "_fq_rows", lambda *a: calls.append(a[2:4]) or real(*a))
+    ref = _gemm(xr, w, offsets, None)
+    n_ref = len(calls)
+    got = _gemm(xr, w, offsets, fmt)
+    assert len(calls) - n_ref == n_ref - 1 and ("mxfp8_e4m3", -1) not in calls[n_ref:]
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    assert not torch.equal(_gemm(x, w, offsets, fmt)[0], _gemm(x, w, offsets, None)[0])
+
+
+def test_moe_layer_with_mxfp8_payload_and_experts_hands_the_promise_on() -> None:
+    """The layer tags the batch with its dispatcher's `rows_format`; with the skip, the mxfp8 layer over
+    mxfp8-rounded rows gives the bits of the same layer told nothing."""
+    import copy
+
+    from dropless.config import MoEConfig
+    from dropless.layers.dispatch import LocalDispatcher
+    from dropless.layers.moe import MoELayer
+
+    torch.manual_seed(0)
+    layer = MoELayer(64, MoEConfig(num_experts=4, top_k=2, d_expert=32, precision="mxfp8"))
+    layer.dispatcher = LocalDispatcher(4, align=layer.dispatcher.align, payload="mxfp8")
+    assert layer.dispatcher.rows_format == "mxfp8_e4m3"
+    plain = copy.deepcopy(layer)
+    seen = []
+    real = layer.experts.forward
+    layer.experts.forward = lambda b: seen.append(b.rows_format) or real(b)  # type: ignore[method-assign]
+
+    class Silent(LocalDispatcher):
+        rows_format = None  # type: ignore[assignment]
+
+    plain.dispatcher = Silent(4, align=layer.dispatcher.align, payload="mxfp8")
+    x = torch.randn(40, 64)
+    outs = []
+    for m in (layer, plain):
+        xi = x.clone().requires_grad_(True)
+        y = m(xi).y
+        y.square().sum().backward()
+        outs.append((y.detach(), xi.grad, [p.grad for p in m.parameters()]))
+    assert seen == ["mxfp8_e4m3"]
+    (ya, ga, pa), (yb, gb, pb) = outs
+    assert torch.equal(ya, yb) and torch.equal(ga, gb)
+    assert all(torch.equal(a, b) for a, b in zip(pa, pb) if a is not None)

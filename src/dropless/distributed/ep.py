@@ -124,6 +124,11 @@ class EPDispatcher:
         self.num_local = local_expert_count(self.num_experts, self.ep_size)
 
     @property
+    def rows_format(self) -> str | None:
+        """What the received rows are exact in (ops/payload.py `exact_format`; ExpertBatch.rows_format)."""
+        return payload.exact_format(self.dispatch_dtype)
+
+    @property
     def allows_decode_path(self) -> bool:
         return False  # the pairs travel to the ranks that hold their experts
 

@@ -139,6 +139,11 @@ class LocalDispatcher:
         return False  # nothing is in flight on one device
 
     @property
+    def rows_format(self) -> str | None:
+        """What the dispatched rows are exact in (ops/payload.py `exact_format`; ExpertBatch.rows_format)."""
+        return payload.exact_format(self.payload)
+
+    @property
     def allows_decode_path(self) -> bool:
         # the capacity layout drops by position in a group; the decode path would skip the payload's rounding
         return self.capacity_factor is None and self.payload == "native"

@@ -67,6 +67,10 @@ class ExpertBatch:
     # (w_gate_up, w_down) -> the weights of the batch's groups, when they are more than the module's
     # own (hot-expert replicas, distributed/ep_hot_replicas.py: the copies fetched from their owners)
     grow: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+    # the quant format x_RD's rows are already exact in along D (ops/payload.py `exact_format`: an
+    # mxfp8 dispatch payload's decoded rows): a low-precision first GEMM in that format skips its
+    # forward quantisation of them (ops/quant_gemm.py); None: no promise
+    rows_format: str | None = None
 
 
 def resolve_backend(backend: str, capacity_mode: bool) -> str:
@@ -120,10 +124,11 @@ class GroupedExperts(nn.Module):
 
 
 def expert_gemm(x_RD: torch.Tensor, w_EDF: torch.Tensor, batch: ExpertBatch, backend: str,
-                precision: str) -> torch.Tensor:
-    """One grouped GEMM of the batch's rows by their experts' weights, on `backend` (module note)."""
+                precision: str, rows_format: str | None = None) -> torch.Tensor:
+    """One grouped GEMM of the batch's rows by their experts' weights, on `backend` (module note).
+    `rows_format`: the first GEMM's promise about its rows (ExpertBatch.rows_format)."""
     if precision != quant_gemm.FULL_PRECISION:
-        return quant_gemm.quant_grouped_mm(x_RD, w_EDF, batch.offsets_E, precision)
+        return quant_gemm.quant_grouped_mm(x_RD, w_EDF, batch.offsets_E, precision, rows_format)
     if backend == "grouped_mm":  # uniform groups (a capacity or uniform plan): one batched matmul
         return grouped_gemm.grouped_mm(x_RD, w_EDF, batch.offsets_E, batch.capacity)
     if backend == "padded_bmm":
@@ -178,7 +183,8 @@ def run_experts(spec: GroupedExperts | nn.Module, x_RD: torch.Tensor, w1_EDW: to
                             spec.kind, spec.clamp, spec.softcap, spec.backend, dequant, batch.capacity)
     if dequant is not None:  # the plain composition: autograd keeps the weights
         w1_EDW, w2_EFD = dequant()
-    h_R2F = expert_gemm(x_RD, w1_EDW, batch, spec.backend, spec.precision)
+    # (a cast to the autocast dtype keeps MX-exact rows exact: 3 mantissa bits fit bf16's 7)
+    h_R2F = expert_gemm(x_RD, w1_EDW, batch, spec.backend, spec.precision, batch.rows_format)
     if spec.kind == "swiglu" and spec.clamp is None and spec.softcap is None:
         h_RF = weighted_swiglu(h_R2F, batch.weights_R)
     else:

@@ -21,7 +21,7 @@ logsumexp, a square and a mean; both stay per call, as the model adds them to ev
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -221,6 +221,9 @@ class MoELayer(nn.Module):
             y_TD = decode_experts.row_sum_experts(xr_TD, run, self.experts)
             return RoutedRun(y_TD, decode_experts.no_drop_meta(run, self.slots.routed))
         batch, meta, shared_TD = self._dispatch(xr_TD, run, x_TD)
+        rows_format = getattr(self.dispatcher, "rows_format", None)  # (every dispatcher's rows, one place)
+        if rows_format is not None:
+            batch = replace(batch, rows_format=rows_format)
         y_RD = self.experts(batch)
         return RoutedRun(self.dispatcher.combine(y_RD, meta), meta, batch, y_RD, shared_TD)
 

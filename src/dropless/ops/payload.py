@@ -53,6 +53,13 @@ def check(payload: str) -> None:
         raise ValueError(f"dispatch_dtype={payload!r}: must be one of {', '.join(PAYLOADS)}")
 
 
+def exact_format(payload: str) -> str | None:
+    """The ops.quant format the decoded rows are exact in along their width (quantising them again
+    in it changes no bit), or None. mxfp8 only: its power-of-two scales make MX rounding idempotent;
+    fp8 blockwise's fp32 scale amax/448 promises no such thing."""
+    return _CODES["mxfp8"][0] if payload == "mxfp8" else None
+
+
 def is_coded(payload: str) -> bool:
     """True when rows travel as uint8 codes and scales (not as floats)."""
     return payload in _CODES

@@ -172,11 +172,13 @@ def _loop_mm(a_RX: torch.Tensor, b_EXY: torch.Tensor, ends: list[int], num_rows:
 
 class _QuantGroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_RD: torch.Tensor, w_EDF: torch.Tensor, ends: list[int], precision: str) -> torch.Tensor:
+    def forward(ctx, x_RD: torch.Tensor, w_EDF: torch.Tensor, ends: list[int], precision: str,
+                rows_exact: bool) -> torch.Tensor:
         r = RECIPES[precision]
         ctx.save_for_backward(x_RD, w_EDF)
         ctx.ends, ctx.recipe = ends, r
-        xq_RD = _fq_rows(x_RD, r.act, -1, ends)
+        # rows already exact in the act format along D (an MX payload's decode): Q(x) = x, skipped
+        xq_RD = x_RD[:ends[-1] if ends else 0].float() if rows_exact else _fq_rows(x_RD, r.act, -1, ends)
         wq_EDF = _fq_weight(w_EDF, r.weight, -2)
         return _loop_mm(xq_RD, wq_EDF, ends, x_RD.shape[0]).to(x_RD.dtype)
 
@@ -197,12 +199,17 @@ class _QuantGroupedMM(torch.autograd.Function):
                 if e > s:
                     dw_EDF[i] = xq_RD[s:e].T @ dyq_RF[s:e]
             dw = dw_EDF.to(w_EDF.dtype)
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
 def quant_grouped_mm(x_RD: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor,
-                     precision: str) -> torch.Tensor:
+                     precision: str, rows_format: str | None = None) -> torch.Tensor:
     """y_RF = Q(x) @ Q(w) per expert group, with the quantised dgrad and wgrad in backward.
+
+    `rows_format`: the quant format x's rows are already exact in along D (ExpertBatch.rows_format:
+    the decoded rows of an mxfp8 dispatch payload). When it is the recipe's activation format the
+    forward takes them as they are: the same bits (MX rounding is idempotent,
+    tests/ops/test_payload.py), one quantisation pass fewer. wgrad still quantises x along tokens.
 
     Raises ValueError for an unknown precision, widths that do not split into whole blocks, or group
     ends that are not multiples of the recipe's token block.
@@ -211,7 +218,8 @@ def quant_grouped_mm(x_RD: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.T
     check_widths(precision, w_EDF.shape[-2], w_EDF.shape[-1])
     ends = [int(e) for e in offsets_E.tolist()]  # host read: this is the emulation path
     _check_offsets(ends, r.token_block, precision, x_RD.shape[0])
-    return _QuantGroupedMM.apply(x_RD, w_EDF, ends, precision)
+    exact = rows_format is not None and rows_format == r.act and not _has_tensor_scale(r.act)
+    return _QuantGroupedMM.apply(x_RD, w_EDF, ends, precision, exact)
 
 
 def quant_grouped_mm_reference(x_RD: torch.Tensor, w_EDF: torch.Tensor, dy_RF: torch.Tensor,
