@@ -30,9 +30,11 @@ from dropless.distributed.ep_hier_buffered import node_hit_fraction, rail_rows
 from dropless.distributed.mesh import ep_hier_groups
 from dropless.layers.router import RoutingDecision
 from dropless.ops import payload
+from dropless.train.loop import Trainer
 from host_sync import EP_EXACT_SPLIT_SIZES, EP_SPILL_TOTAL, forbid_host_sync
 from test_ep import _case_list, _check_parity, _run_case
-from tolerances import EP_LOWP, EP_REDUCED, assert_close
+from tiny_run import tiny
+from tolerances import EP_LOWP, EP_REDUCED, PARALLEL_TRAIN_LOSS, assert_close
 
 
 def _bytes(rank: int, world: int, G: int, hier: tuple) -> None:
@@ -199,6 +201,37 @@ def _buffered_all(rank: int, world: int, G: int) -> None:
 @pytest.mark.parametrize("world,G", [(2, 1), pytest.param(4, 2, marks=pytest.mark.slow)])
 def test_two_level_buffered(world: int, G: int, tmp_path: Path) -> None:
     run_world(_buffered_all, world, tmp_path, G)
+
+
+def _trainer_case(rank: int, world: int, root: Path) -> None:
+    """The trainer's overflow guard, unchanged, on buffered two-level dispatch (2 ranks as 2 nodes of
+    1): the expert bias sends every token to rank 0's experts, so at factor 0.5 the rail overflows
+    (retry reruns the step at the worst case) and under spill the node level spills (applied as
+    is); both follow exact two-level dispatch's losses at the EP floor."""
+    base = ("model.moe.router.use_expert_bias=true", "model.moe.balance.bias_update_rate=0", "parallel.ep_size=2",
+            "parallel.ep_hierarchy=node", "parallel.ep_node_size=1", "train.dtype=fp32", "train.steps=4")
+    buffered = ("parallel.ep_mode=buffered", "parallel.ragged_buffer_factor=0.5")
+    losses = {}
+    for name, extra in (("exact", ()), ("retry", (*buffered, "parallel.on_overflow=retry")),
+                        ("spill", (*buffered, "parallel.on_overflow=spill"))):
+        trainer = Trainer(tiny(*base, *extra), root / name)
+        for layer in trainer.model.moe_layers():
+            layer.router.set_bias(torch.tensor([1.0, 1.0, 0.0, 0.0]))
+        losses[name] = [float(trainer.train_step(step)[0].loss) for step in range(3)]
+        if name != "exact":
+            row = trainer.overflow.check(2)
+            assert int(trainer.overflow.skipped) == 0, row
+            if name == "retry":
+                assert row["ep_steps_retried"] == 3 and row["ep_pairs_spilled"] == 0, row
+            else:
+                assert row["ep_steps_retried"] == 0 and row["ep_pairs_spilled"] > 0, row
+    for name in ("retry", "spill"):
+        for a, b in zip(losses["exact"], losses[name]):
+            assert abs(a - b) <= PARALLEL_TRAIN_LOSS * abs(a), (name, losses)
+
+
+def test_two_level_buffered_trainer(tmp_path: Path) -> None:
+    run_world(_trainer_case, 2, tmp_path, tmp_path)
 
 
 def test_two_level_refusals() -> None:
