@@ -166,8 +166,8 @@ def inter_node_bytes(meta: object, ids_TK: torch.Tensor, disp: EPDispatcher, G: 
                      ) -> torch.Tensor:
     """The dispatch trip's bytes from this rank to ranks on other nodes (nodes of G consecutive ranks):
     the two-level dispatch counts its rail trip's (buffered: its whole blocks to other nodes); a
-    buffered or ring trip sends equal blocks to every rank; an exact all-to-all sends the rows (de-dup: one per (token, rank)) and pair metadata its
-    routing puts on the other nodes' ranks."""
+    buffered or ring trip sends equal blocks to every rank; an exact all-to-all sends the rows
+    (de-dup: one per (token, rank)) and pair metadata its routing puts on the other nodes' ranks."""
     if isinstance(meta, HierMeta):
         return meta.bytes_inter_node
     P = disp.ep_size

@@ -3,8 +3,9 @@ token across the slow link once per destination node, then fans it out inside th
 
 Legend: P ranks in the EP group = Nn nodes x G ranks per node (EP rank r = n*G + g), L experts per
 rank, LG = L*G experts per node, T tokens on this rank, K slots, D model width.
-    S   rows this rank sends over its rail (one per (token, destination node))
-    B   rows it receives over its rail (tokens of the whole rail bound for its node)
+    S   rows this rank sends over its rail (one per (token, destination node); buffered: the Nn*Cn
+        slots of its fixed blocks, ep_hier_buffered.py)
+    B   rows it receives over its rail (tokens of the whole rail bound for its node; buffered: Nn*Cn)
 
 The two groups: the rail of rank (n, g) is the Nn ranks (*, g), one per node (the ranks that talk
 over the network, DeepEP's "same GPU index" peers); its node group is the G ranks (n, *).
