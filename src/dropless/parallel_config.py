@@ -57,8 +57,8 @@ class ParallelConfig:
     # fewer bytes); docs/ep_wire.md
     ep_dispatch: str = "all_to_all"
     # an EP group over several nodes: "node" sends a token across nodes once per destination node and
-    # fans it out inside the node (ep_hier.py; exact mode); ep_node_size: EP ranks per node (0 = the
-    # launcher's LOCAL_WORLD_SIZE)
+    # fans it out inside the node (ep_hier.py; buffered mode: ep_hier_buffered.py); ep_node_size: EP
+    # ranks per node (0 = the launcher's LOCAL_WORLD_SIZE)
     ep_hierarchy: str = "flat"
     ep_node_size: int = 0
     # buffered EP on torch's functional collectives: an MoE layer's forward and backward trace into
@@ -118,12 +118,16 @@ class ParallelConfig:
         if self.ep_hierarchy == "node":
             if g and self.ep_size % g:
                 _fail(f"{prefix}.ep_node_size", g, f"must divide parallel.ep_size={self.ep_size}")
-            if self.ep_mode != "exact":
-                _fail(f"{prefix}.ep_hierarchy", "node", f"with ep_mode={self.ep_mode!r}: two-level dispatch "
-                      "reads its split sizes on the host (exact mode only)")
-            if self.ep_dispatch != "all_to_all" or self.replicate_hot_experts or self.pp_size > 1:
+            if self.ep_mode == "buffered" and self.ragged_buffer_factor == "auto":
+                _fail(f"{prefix}.ep_hierarchy", "node", f"with {prefix}.ragged_buffer_factor='auto': the adaptive "
+                      "controller sizes one link per layer, buffered two-level dispatch has two levels to size "
+                      "(distributed/ep_hier_buffered.py); use a number or -1")
+            why = [f"{prefix}.ep_dispatch={self.ep_dispatch!r}" if self.ep_dispatch != "all_to_all" else "",
+                   f"{prefix}.replicate_hot_experts={self.replicate_hot_experts}" if self.replicate_hot_experts else "",
+                   f"{prefix}.pp_size={self.pp_size}" if self.pp_size > 1 else ""]
+            if any(why):
                 _fail(f"{prefix}.ep_hierarchy", "node", "goes with ep_dispatch 'all_to_all', no hot-expert "
-                      "replicas and no pipeline stages")
+                      "replicas and no pipeline stages; got " + ", ".join(w for w in why if w))
         if not isinstance(self.dedup, bool):
             _fail(f"{prefix}.dedup", self.dedup, "must be true or false")
         factor = self.ragged_buffer_factor

@@ -73,8 +73,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dispatches", type=str, default="all_to_all",
                    help="comma-separated parallel.ep_dispatch values to compare (all_to_all, ring)")
     p.add_argument("--node-size", type=int, default=0,
-                   help="> 0: the ranks as nodes of this many; adds the two-level dispatch (node-exact) and "
-                        "counts every variant's dispatch bytes to other nodes")
+                   help="> 0: the ranks as nodes of this many; adds the two-level dispatch (node-exact, "
+                        "node-buffered) and counts every variant's dispatch bytes to other nodes")
     ep_scenarios.add_args(p)
     return p.parse_args(argv)
 
@@ -148,7 +148,8 @@ def trip_bytes(meta: EPMeta, x_TD: torch.Tensor, ep_size: int, num_local: int) -
         G = meta.node_size
         inner = trip_bytes(meta.inner, x_TD, G, meta.inner.num_local)
         rail_back = x_TD.new_full((), meta.seg_S.numel() * x_TD.shape[1] * x_TD.element_size(), dtype=torch.int64)
-        rail_counts = x_TD.new_full((), ep_size // G * 8, dtype=torch.int64)
+        # exact: the rail's count exchange (an int64 per node); buffered: none (fixed blocks)
+        rail_counts = x_TD.new_full((), 0 if meta.splits is None else ep_size // G * 8, dtype=torch.int64)
         return {"counts": inner["counts"] + rail_counts, "dispatch": meta.bytes_sent,
                 "combine": inner["combine"] + rail_back, "dispatch_back": meta.bytes_back}
     if isinstance(meta, RingMeta):  # no count exchange; P shares of every rank's block come back
@@ -164,9 +165,9 @@ def trip_bytes(meta: EPMeta, x_TD: torch.Tensor, ep_size: int, num_local: int) -
 def inter_node_bytes(meta: object, ids_TK: torch.Tensor, disp: EPDispatcher, G: int, x_TD: torch.Tensor
                      ) -> torch.Tensor:
     """The dispatch trip's bytes from this rank to ranks on other nodes (nodes of G consecutive ranks):
-    the two-level dispatch counts its rail trip's; a buffered or ring trip sends equal blocks to every
-    rank; an exact all-to-all sends the rows (de-dup: one per (token, rank)) and pair metadata its
-    routing puts on the other nodes' ranks."""
+    the two-level dispatch counts its rail trip's (buffered: its whole blocks to other nodes); a
+    buffered or ring trip sends equal blocks to every rank; an exact all-to-all sends the rows
+    (de-dup: one per (token, rank)) and pair metadata its routing puts on the other nodes' ranks."""
     if isinstance(meta, HierMeta):
         return meta.bytes_inter_node
     P = disp.ep_size
@@ -217,13 +218,13 @@ def _worker(rank: int, args: argparse.Namespace, store: str, out_path: str) -> N
     hows = args.dispatches.split(",") + (["node"] if G else [])
     for how, mode, dedup, pl in ((h, m, d, pl) for h in hows for m in ("exact", "buffered")
                                  for d in (True, False) for pl in args.payloads.split(",")):
-        if (how == "ring" and not dedup) or (how == "node" and mode != "exact"):
-            continue  # the ring has no de-dup switch; the two-level dispatch is exact mode only
+        if how == "ring" and not dedup:
+            continue  # the ring has no de-dup switch
         name = {"all_to_all": f"{mode}{'+dedup' if dedup else ''}", "ring": f"ring-{mode}",
                 "node": f"node-{mode}{'+dedup' if dedup else ''}"}[how] + (f":{pl}" if pl != "native" else "")
         if how == "node":
-            disp = HierEPDispatcher(E, None, dedup=dedup, max_tokens=T, dispatch_dtype=pl, node_group=hier[0],
-                                    rail_group=hier[1], node_size=G)
+            disp = HierEPDispatcher(E, None, mode=mode, dedup=dedup, ragged_buffer_factor=args.factor, max_tokens=T,
+                                    top_k=K, dispatch_dtype=pl, node_group=hier[0], rail_group=hier[1], node_size=G)
         else:
             disp = EPDispatcher(E, None, mode=mode, dedup=dedup, ragged_buffer_factor=args.factor,
                                 max_tokens=T, dispatch_dtype=pl, ep_dispatch=how)

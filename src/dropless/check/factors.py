@@ -108,6 +108,10 @@ FACTORS: list[tuple[str, dict[str, list[str]]]] = [
                                          "parallel.fsdp=false"],
                 # two-level dispatch: the two ranks as two nodes of one (rail trip, then a node of one)
                 "ep2-node": [*EP2, "parallel.ep_hierarchy=node", "parallel.ep_node_size=1"],
+                # ... buffered, blocks at half the balanced load: the rail overflows, the step is rerun
+                # with worst-case blocks (tests/distributed/test_ep_hier.py covers spill)
+                "ep2-buf-node": [*BUFFERED, "parallel.ep_hierarchy=node", "parallel.ep_node_size=1",
+                                 "parallel.ragged_buffer_factor=0.5", "parallel.on_overflow=retry"],
                 # pipeline stages: two ranks of one stage each; zbv's two stages per rank need 4 blocks
                 "pp2-1f1b": ["parallel.pp_size=2"],
                 "pp2-zbv": ["parallel.pp_size=2", "parallel.pp_schedule=zbv", "parallel.pp_stages_per_rank=2",

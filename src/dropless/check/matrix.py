@@ -1,6 +1,6 @@
 """`python -m dropless.check.matrix` (or `dropless check-matrix`): the combination matrix.
 
-    python -m dropless.check.matrix [--rows N|A-B] [--stages a,b] [--fast] [--no-ep] [--jobs N]
+    python -m dropless.check.matrix [--rows N|A-B|N,A-B] [--stages a,b] [--fast] [--no-ep] [--jobs N]
                                     [--json FILE] [--keep DIR] [--timeout S]
 
 Prints the factors (factors.py), the number of rows and of pairs (covered / refused), checks every
@@ -50,7 +50,8 @@ SHORT = {"ok": "ok", "refused": "ref", "FAIL": "FAIL", "-": "-", "": ""}
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="dropless check-matrix", description=__doc__.splitlines()[0])
-    p.add_argument("--rows", default=None, help="one row N or a range A-B (1-based, as the table shows)")
+    p.add_argument("--rows", default=None, help="one row N, a range A-B, or a comma-separated list of them "
+                   "(1-based, as the table shows)")
     p.add_argument("--stages", default=None, help=f"comma-separated subset of {','.join(NAMES)}")
     p.add_argument("--fast", action="store_true", help="one-process rows without a real compile")
     p.add_argument("--no-ep", action="store_true", help="leave out the rows that train at world 2")
@@ -65,14 +66,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def row_numbers(text: str | None, n: int) -> list[int]:
     if text is None:
         return list(range(1, n + 1))
-    a, _, b = text.partition("-")
-    try:
-        lo, hi = int(a), int(b or a)
-    except ValueError:
-        raise ValueError(f"--rows {text!r}: expected N or A-B") from None
-    if not 1 <= lo <= hi <= n:
-        raise ValueError(f"--rows {text!r}: rows are 1..{n}")
-    return list(range(lo, hi + 1))
+    numbers: list[int] = []
+    for part in text.split(","):
+        a, _, b = part.partition("-")
+        try:
+            lo, hi = int(a), int(b or a)
+        except ValueError:
+            raise ValueError(f"--rows {text!r}: expected N, A-B, or a comma-separated list of them") from None
+        if not 1 <= lo <= hi <= n:
+            raise ValueError(f"--rows {text!r}: rows are 1..{n}")
+        numbers += [r for r in range(lo, hi + 1) if r not in numbers]
+    return numbers
 
 
 def is_ep(values: list[fx.Value]) -> bool:
