@@ -14,7 +14,8 @@ graph and still drops nothing.
 - The dispatcher on its own: the second trip's bytes read 0 when no rank overflowed and not otherwise;
   combine gives each token its pairs; the de-dup case that needs C2 = W drops nothing.
 - Against the one-process layer (test_ep's cases, as test_ep_spill.py runs them for the host-read
-  spill), with and without de-dup: outputs and every gradient at the EP floor, no pair dropped.
+  spill), with and without de-dup: outputs and every gradient at the EP floor, no pair dropped. And
+  the trainer: overflowing steps applied, spilled pairs reported, losses equal to exact mode's.
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ from dropless.distributed.ep_spill import SpillMeta, second_links
 from dropless.distributed.parallelize_ep import shard_moe_layer
 from dropless.layers.moe import MoELayer
 from dropless.layers.router import RoutingDecision
+from dropless.train.loop import Trainer
 from test_ep import _case_list, _check_parity, _run_case
-from tolerances import EP_REDUCED, assert_close
+from tiny_run import tiny
+from tolerances import EP_REDUCED, PARALLEL_TRAIN_LOSS, assert_close
 
 T, D, E, K = 12, 16, 8, 2
 
@@ -171,7 +174,29 @@ def _bytes_case(rank: int, world: int) -> None:
     assert torch.equal(disp.combine(torch.ones(batch.x_RD.shape[0], 4), meta), torch.ones(4, 4))
 
 
-def _parity_worker(rank: int, world: int) -> None:
+def _trainer_case(rank: int, world: int, root: Path) -> None:
+    """The trainer (eager) with capturable spill: the expert bias sends every token to rank 0's experts,
+    so links at factor 0.5 overflow; the steps are applied (none skipped or rerun), the check reports
+    spilled pairs, and the losses follow exact mode's at the EP noise floor (test_ep_spill.py's case)."""
+    base = ("model.moe.router.use_expert_bias=true", "model.moe.balance.bias_update_rate=0",
+            "parallel.ep_size=2", "train.dtype=fp32", "train.steps=4")
+    spill = ("parallel.ep_mode=buffered", "parallel.ragged_buffer_factor=0.5", "parallel.on_overflow=spill",
+             "parallel.ep_capturable=true")
+    losses = {}
+    for name, extra in (("exact", ()), ("spill", spill)):
+        trainer = Trainer(tiny(*base, *extra), root / name)
+        for layer in trainer.model.moe_layers():
+            layer.router.set_bias(torch.tensor([1.0, 1.0, 0.0, 0.0]))
+        losses[name] = [float(trainer.train_step(step)[0].loss) for step in range(3)]
+        if name == "spill":
+            row = trainer.overflow.check(2)
+            assert row["ep_pairs_spilled"] > 0 and row["ep_steps_retried"] == 0, row
+            assert int(trainer.overflow.skipped) == 0
+    for a, b in zip(losses["exact"], losses["spill"]):
+        assert abs(a - b) <= PARALLEL_TRAIN_LOSS * abs(a), losses
+
+
+def _parity_worker(rank: int, world: int, root: Path) -> None:
     torch.use_deterministic_algorithms(True)
     torch.utils.deterministic.fill_uninitialized_memory = True  # a read of unwritten memory shows as NaN
     _bytes_case(rank, world)
@@ -196,7 +221,8 @@ def _parity_worker(rank: int, world: int) -> None:
                     assert int(spilled) > 0, tag  # every token on rank 0: the links must overflow
                 spilled_total += int(spilled)
     assert spilled_total > 0
+    _trainer_case(rank, world, root)
 
 
 def test_capturable_spill_matches_single_process(tmp_path: Path) -> None:
-    run_world(_parity_worker, 2, tmp_path)
+    run_world(_parity_worker, 2, tmp_path, tmp_path)
