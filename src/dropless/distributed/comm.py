@@ -312,7 +312,8 @@ def all_to_all_traceable(x: torch.Tensor, group: ProcessGroup | None, zero_row: 
     exchange = partial(_traced_exchange, group if group is not None else dist.group.WORLD, differentiable)
     # one tensor in, one out: torch's cond differentiates a branch whose outputs are all floats or
     # none needs a gradient (mixed outputs fail its backward in torch 2.13)
-    y = exchange(x.contiguous()) if run is None else torch.cond(run, exchange, torch.zeros_like, (x.contiguous(),))
+    x = x.contiguous()
+    y = exchange(x) if run is None else torch.cond(run, exchange, torch.zeros_like, (x,))
     return torch.cat([y, y.new_zeros((1, *y.shape[1:]))]) if zero_row else y
 
 

@@ -291,7 +291,8 @@ def dispatch(x_TD: torch.Tensor, decision: RoutingDecision, links: Links,
     meta = EPMeta(pairs_dropped=overflow, first_expert=links.first_expert, num_local=L, link_demand=demand,
                   num_tokens=T, back_seg=back_seg, back_bags=back_bags, row_n=lay.row_n, valid_n=lay.valid_n,
                   src_R=src_R, presum_bags=presum_bags, rows_recv=n_rows_recv, splits_back=splits_back,
-                  traceable=links.traceable, run=links.run, bytes_sent=bytes_sent, bytes_sent_without_dedup=bytes_plain, bytes_back=bytes_back,
+                  traceable=links.traceable, run=links.run, bytes_sent=bytes_sent,
+                  bytes_sent_without_dedup=bytes_plain, bytes_back=bytes_back,
                   pairs_spilled=overflow.new_zeros(()) if spill else None)
     batch = ExpertBatch(x_RD, lay.offsets_L, weights_R=w_R)
     if not spill:
