@@ -48,8 +48,9 @@ are what a traced graph cannot hold, so both become device work of fixed shape.
 - The batches merge as above (static shapes: R_a + R_b rows), the GEMM runs once, combine adds the
   two sums. The second trip's byte counts are multiplied by `ran`: 0 when it did not run.
 The price: the second trip's index work, buffers and the merged GEMM buffer exist on every call, and
-the C2 buffer is allocated whether or not a pair spills. On CUDA, a cond inside a CUDA graph needs
-conditional-node support; that path has not run (CPU and gloo only).
+the C2 buffer is allocated whether or not a pair spills. The decision stays on the device only inside
+a CUDA graph with conditional nodes: a cond run outside one (eager, aot_eager, inductor's wrapper)
+reads its predicate on the host to pick a branch. The CUDA path has not run (CPU and gloo only).
 """
 
 from __future__ import annotations
