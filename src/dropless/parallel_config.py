@@ -36,7 +36,8 @@ class ParallelConfig:
     # buffered mode, older switch: true = on_overflow "retry", false = "skip"; on_overflow wins when set
     retry_on_overflow: bool = True
     # buffered mode: "skip" the step, "retry" it with worst-case buffers, "spill" the pairs that did not
-    # fit into a second exact-size exchange in the same layer call; "" = from retry_on_overflow
+    # fit into a second exact-size exchange in the same layer call (with ep_capturable: a second
+    # fixed-size one, run when some rank overflowed, decided on the device); "" = from retry_on_overflow
     on_overflow: str = ""
     # buffered mode: the most tokens one rank holds in a micro-batch, the bound every rank sizes its
     # fixed all-to-all buffers from (ranks may hold fewer; more is a ValueError from the shape).
@@ -102,15 +103,14 @@ class ParallelConfig:
         if self.ep_capturable:
             P = prefix
             why = [f"{P}.ep_mode={self.ep_mode!r}" if self.ep_mode != "buffered" else "",
-                   f"{P}.on_overflow='spill'" if self.ep_mode == "buffered" and self.overflow_policy == "spill" else "",
                    f"{P}.dispatch_dtype={self.dispatch_dtype!r}" if self.dispatch_dtype != "native" else "",
                    f"{P}.ep_dispatch={self.ep_dispatch!r}" if self.ep_dispatch != "all_to_all" else "",
                    f"{P}.ep_hierarchy='node'" if self.ep_hierarchy != "flat" else "",
                    f"{P}.check_collectives=true" if self.check_collectives else "",
                    f"{P}.replicate_hot_experts={self.replicate_hot_experts}" if self.replicate_hot_experts else ""]
             if any(why):
-                _fail(f"{prefix}.ep_capturable", True, "needs buffered mode with on_overflow skip or retry, the "
-                      "native payload, the flat all-to-all, no collective checks and no replicas; got "
+                _fail(f"{prefix}.ep_capturable", True, "needs buffered mode, the native payload, the flat "
+                      "all-to-all, no collective checks and no replicas; got "
                       + ", ".join(w for w in why if w))
         g = self.ep_node_size
         if isinstance(g, bool) or not isinstance(g, int) or g < 0:

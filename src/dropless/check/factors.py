@@ -103,9 +103,11 @@ FACTORS: list[tuple[str, dict[str, list[str]]]] = [
                 "ep2-buf-ring": [*BUFFERED, "parallel.ep_dispatch=ring", "parallel.on_overflow=retry"],
                 # buffered EP on functional collectives: traced without a graph break where compiled
                 "ep2-buf-capture": [*BUFFERED, "parallel.ep_capturable=true", "parallel.on_overflow=retry"],
-                # ... without FSDP2 (dense weights whole on every rank): the whole step compiles
-                "ep2-buf-capture-repl": [*BUFFERED, "parallel.ep_capturable=true", "parallel.on_overflow=retry",
-                                         "parallel.fsdp=false"],
+                # ... with spill decided on the device (links at half the balanced load; row slots below
+                # the micro-batch: de-dup's second buffer holds the whole worst case), without FSDP2
+                # (dense weights whole on every rank): the whole step compiles
+                "ep2-buf-capture-repl": [*BUFFERED, "parallel.ep_capturable=true", "parallel.on_overflow=spill",
+                                         "parallel.ragged_buffer_factor=0.5", "parallel.fsdp=false"],
                 # two-level dispatch: the two ranks as two nodes of one (rail trip, then a node of one)
                 "ep2-node": [*EP2, "parallel.ep_hierarchy=node", "parallel.ep_node_size=1"],
                 # ... buffered, blocks at half the balanced load: the rail overflows, the step is rerun

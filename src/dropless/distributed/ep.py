@@ -10,7 +10,9 @@ subclass (hot-expert replicas, ep_hot_replicas.py) stays one. One layer call's c
 ep_exchange.py (the protocol note is there), the index maths ep_plan.py, the spill trip ep_spill.py.
 
 Host reads: exact mode's split sizes (ep_exchange.py) and, in buffered mode with
-`on_overflow="spill"`, one int per call here (the group's overflow, which decides the second trip).
+`on_overflow="spill"`, one int per call here (the group's overflow, which decides the second trip),
+except with `capturable`, where a device bool decides it and the second trip is fixed-size too
+(ep_spill.py `dispatch_spill_traced`).
 Buffered mode's link size is a host int: a factor of the balanced load, or with factor "auto"
 `link_pairs`, which train/ep_buffers.py sets between steps.
 
@@ -63,7 +65,8 @@ class EPDispatcher:
     its micro-batches are the bound). `top_k`: the pairs per token the buffers are sized for (None:
     the decision's slots K; the variable-count strategies have K = E slots but about top_k pairs per
     token). `on_overflow` "spill": buffered mode sends the pairs that did not fit in a second
-    exact-size exchange (ep_spill.py); "skip" and "retry" are the trainer's business
+    exact-size exchange (ep_spill.py; `capturable`: a second fixed-size one, run on the device's
+    decision); "skip" and "retry" are the trainer's business
     (train/overflow.py). `ragged_buffer_factor` "auto": the link size is `link_pairs`, set between
     steps by train/ep_buffers.py. A plain mutable dataclass: `link_pairs` changes between steps.
     """
@@ -103,11 +106,11 @@ class EPDispatcher:
         if not (factor == "auto" or factor == -1 or factor > 0):
             raise ValueError(f"ragged_buffer_factor={factor!r}: must be > 0, -1 or 'auto'")
         payload.check(self.dispatch_dtype)
-        if self.capturable and (mode != "buffered" or self.on_overflow == "spill" or self.dispatch_dtype != "native"
+        if self.capturable and (mode != "buffered" or self.dispatch_dtype != "native"
                                 or self.ep_dispatch != "all_to_all"):
-            raise ValueError("capturable=True: buffered mode, on_overflow 'skip' or 'retry', the native payload "
-                             f"and the all-to-all only (got mode={mode!r}, on_overflow={self.on_overflow!r}, "
-                             f"dispatch_dtype={self.dispatch_dtype!r}, ep_dispatch={self.ep_dispatch!r})")
+            raise ValueError("capturable=True: buffered mode, the native payload and the all-to-all only (got "
+                             f"mode={mode!r}, dispatch_dtype={self.dispatch_dtype!r}, "
+                             f"ep_dispatch={self.ep_dispatch!r})")
         if self.ep_dispatch not in EP_DISPATCH:
             raise ValueError(f"ep_dispatch={self.ep_dispatch!r}: must be one of {', '.join(EP_DISPATCH)}")
         if self.ep_dispatch != "all_to_all" and self.on_overflow == "spill" and mode == "buffered":
@@ -221,19 +224,25 @@ class EPDispatcher:
         if self.uses_ring(x_TD.shape[1], x_TD.dtype, decision.ids_TK.shape[1]):
             batch, meta = self._ring(x_TD, decision)
             return batch, meta, during() if during is not None else None
-        links = self.links(*decision.ids_TK.shape)
+        T, K = decision.ids_TK.shape
+        links = self.links(T, K)
         batch, meta, extra, over = ep_exchange.dispatch(x_TD, decision, links, during)
+        if over is not None and self.capturable:  # the second trip decided on the device, no host read
+            worst = link_capacity(self.max_tokens, self.top_k or K, self.num_local, self.ep_size, -1, K)
+            links2 = ep_spill.second_links(links, worst, self.max_tokens)
+            if links2 is not None:
+                batch, meta = ep_spill.dispatch_spill_traced(links2, x_TD, decision, over, batch, meta, self.align)
         # spill: the one host read of the mode (every rank reads the same total, so all of them take
         # the same branch and run the same collectives); its second exchange reads its own sizes
-        if over is not None and int(over.group_total):
+        elif over is not None and int(over.group_total):
             batch, meta = ep_spill.dispatch_spill(self.plain(mode="exact"), x_TD, decision, over.pairs_TK,
                                                   batch, meta)
         return batch, meta, extra
 
     def combine(self, y_RD: torch.Tensor, meta: EPMeta) -> torch.Tensor:
         """The rows back to their tokens, an unweighted sum (the experts applied the weights)."""
-        if isinstance(meta, ep_spill.SpillMeta):
-            return ep_spill.combine_spill(self, self.exact(), y_RD, meta)
+        if isinstance(meta, ep_spill.SpillMeta):  # the second trip's combine follows its meta
+            return ep_spill.combine_spill(self, self if self.capturable else self.exact(), y_RD, meta)
         if isinstance(meta, ep_ring.RingMeta):
             return ep_ring.combine(y_RD, meta, self.group)
         return ep_exchange.combine(y_RD, meta, self.group)

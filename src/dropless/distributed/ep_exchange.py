@@ -58,12 +58,14 @@ the forward; its trip is unchanged, and the dispatch trip's saving is what the k
 Devices: every tensor is made on x's device (constants with `new_full`); the one host read here is
 exact mode's `.tolist()` of the split sizes. In buffered mode with `on_overflow="spill"` the count
 exchange also carries the group's overflow, which `dispatch` returns (`Overflow`) for the dispatcher
-to read (one int) and, when it is nonzero, to send in a second, exact-mode trip (ep_spill.py).
+to read (one int) and, when it is nonzero, to send in a second, exact-mode trip (ep_spill.py); a
+capturable dispatcher reads nothing: its second trip is this function again, buffered, with every
+exchange run under `torch.cond` on the device bool `Links.run` (ep_spill.py `dispatch_spill_traced`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -98,6 +100,8 @@ class Links:
     spill: bool  # buffered with on_overflow "spill": the count exchange carries each rank's overflow
     payload: str = "native"  # the token rows' encoding on the wire (ops/payload.py, parallel.dispatch_dtype)
     traceable: bool = False  # buffered: functional collectives, traced without a graph break (ep_capturable)
+    # traceable: a device bool that runs the exchanges (False: zero-filled buffers; spill's second trip)
+    run: torch.Tensor | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,6 +121,7 @@ class EPMeta(DispatchMeta):
     # the return trip: splits (exact) or None (buffered, fixed)
     splits_back: tuple[tuple[int, ...], tuple[int, ...]] | None
     traceable: bool  # the return trip on functional collectives (Links.traceable)
+    run: torch.Tensor | None  # ... run when this device bool is True (Links.run)
     # statistics
     bytes_sent: torch.Tensor
     bytes_sent_without_dedup: torch.Tensor
@@ -145,7 +150,7 @@ def dispatch(x_TD: torch.Tensor, decision: RoutingDecision, links: Links,
     def send(t: torch.Tensor, out_s: tuple | None, in_s: tuple | None, zero_row: bool = False,
              payload: str = "native") -> object:
         if links.traceable:  # buffered, native rows (EPDispatcher checks): one traced exchange
-            return comm.all_to_all_traceable(t, links.group, zero_row)
+            return comm.all_to_all_traceable(t, links.group, zero_row, run=links.run)
         if during is not None:
             return comm.all_to_all_start(t, out_s, in_s, links.group, zero_row, payload)
         if out_s is None:
@@ -176,8 +181,8 @@ def dispatch(x_TD: torch.Tensor, decision: RoutingDecision, links: Links,
     overflow = src.pairs_P.sum() - kept_P.sum()
     info = [src.kept_PL, rows_P[:, None]] + ([overflow.expand(Pn, 1)] if spill else [])
     info = torch.cat(info, 1).reshape(-1)
-    recv_PX = (comm.all_to_all_traceable(info, links.group, differentiable=False) if links.traceable
-               else comm._exchange(info, None, None, links.group)).view(Pn, L + 1 + spill)
+    recv_PX = (comm.all_to_all_traceable(info, links.group, differentiable=False, run=links.run)
+               if links.traceable else comm._exchange(info, None, None, links.group)).view(Pn, L + 1 + spill)
     counts_SL = recv_PX[:, :L]  # pairs from source s for local expert l
 
     # 2. sizes: host read (exact) or static (buffered)
@@ -283,11 +288,11 @@ def dispatch(x_TD: torch.Tensor, decision: RoutingDecision, links: Links,
         src_R = presum_bags = None
 
     demand = src.pairs_P.max() if Q else x_TD.new_zeros((), dtype=torch.int64)
-    meta = EPMeta(pairs_dropped=overflow, first_expert=links.first_expert,
-                  num_local=L, link_demand=demand, num_tokens=T, back_seg=back_seg,
-                  back_bags=back_bags, row_n=lay.row_n, valid_n=lay.valid_n, src_R=src_R,
-                  presum_bags=presum_bags, rows_recv=n_rows_recv, splits_back=splits_back, traceable=links.traceable,
-                  bytes_sent=bytes_sent, bytes_sent_without_dedup=bytes_plain, bytes_back=bytes_back,
+    meta = EPMeta(pairs_dropped=overflow, first_expert=links.first_expert, num_local=L, link_demand=demand,
+                  num_tokens=T, back_seg=back_seg, back_bags=back_bags, row_n=lay.row_n, valid_n=lay.valid_n,
+                  src_R=src_R, presum_bags=presum_bags, rows_recv=n_rows_recv, splits_back=splits_back,
+                  traceable=links.traceable, run=links.run, bytes_sent=bytes_sent,
+                  bytes_sent_without_dedup=bytes_plain, bytes_back=bytes_back,
                   pairs_spilled=overflow.new_zeros(()) if spill else None)
     batch = ExpertBatch(x_RD, lay.offsets_L, weights_R=w_R)
     if not spill:
@@ -312,7 +317,7 @@ def combine(y_RD: torch.Tensor, meta: EPMeta, group: ProcessGroup | None) -> tor
     else:
         y_send = y_RD.index_select(0, meta.row_n)  # exact mode: every slot holds a pair
     if meta.traceable:
-        y_back = comm.all_to_all_traceable(y_send, group, zero_row=not dedup)
+        y_back = comm.all_to_all_traceable(y_send, group, zero_row=not dedup, run=meta.run)
     elif buffered:
         y_back = comm.all_to_all_fixed(y_send, group, zero_row=not dedup)
     else:

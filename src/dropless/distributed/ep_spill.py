@@ -2,6 +2,8 @@
 
 Legend: T tokens on this rank, K slots per token, D model width, L local experts;
     R rows of an expert-major GEMM buffer (`_a`: the buffered batch, `_b`: the spill batch, `_m`: merged)
+    C, Cr the first trip's pair and row slots per link; C2, Cr2 the capturable second trip's;
+    W the worst case per link, `link_capacity(max_tokens, k, L, P, -1, K)` = max_tokens * min(K, L)
 
 Buffered mode drops the pairs past a link's fixed block (docs/ep_buffers.md). With spill, the count exchange
 also carries each rank's overflow, so every rank learns the group's total in the same collective; one
@@ -14,7 +16,8 @@ padding to `align`), so the grouped GEMM runs once; combine splits the GEMM outp
 trip's combine and adds the two per-token sums. Every pair is computed: the step is dropless without a
 rerun.
 
-The host read of the total happens on every buffered layer call in spill mode, overflow or not: a rank
+The host read of the total happens on every buffered layer call in spill mode, overflow or not
+(capturable mode excepted, below): a rank
 cannot take part in a collective (or skip one) without knowing on the host whether the others will,
 and no rank can know that any other rank overflowed without reading it. So spill costs one read of
 one int per layer call (retry: one per step, plus a full rerun on overflow; skip: none). Recompute
@@ -23,6 +26,31 @@ repeats the read and gets the same total (same inputs), hence the same collectiv
 Numerics: a token's output is (its buffered pairs' sum) + (its spilled pairs' sum), a different
 association than one process's K-term sum, and an expert's group holds its rows in another order;
 both are within the fp32 EP noise floor (tests/tolerances.py EP_REDUCED), as exact mode is.
+
+Capturable (`parallel.ep_capturable`, `dispatch_spill_traced`): the host read and the exact-size trip
+are what a traced graph cannot hold, so both become device work of fixed shape.
+- The second trip is a buffered trip on functional collectives, sent on every call (the decision
+  with `valid_TK` = the pairs the first trip turned away; none on a call without overflow). Its links
+  hold what the first trip's could not: C2 = W - C pair slots, Cr2 = min(C2, max_tokens) row slots.
+  Without de-dup a link that overflows kept exactly C pairs (its kept pairs are the prefix of its
+  block), so at most W - C are left. With de-dup and Cr < max_tokens a pair is also turned away when
+  its token's row finds no slot, even with a pair slot free, so every pair of a link may be left
+  (found by enumerating small shapes, tests/distributed/test_ep_capture_spill.py): there C2 = W.
+  The two buffers together hold the worst case: nothing is dropped (the second trip's count of
+  dropped pairs is reported as the layer's, and is 0). With C = W nothing can spill: no second trip.
+- The decision is `ran = group overflow > 0`, a device bool every rank computes from the same count
+  exchange. Each of the second trip's exchanges (counts, rows, pair metadata, and in combine the rows
+  back) runs under `torch.cond(ran, exchange, zeros)` (comm.py `all_to_all_traceable(run=)`); the
+  index code around them runs either way. When no rank overflowed every rank sends only zeros, so the
+  zero-filled buffer is exactly what the exchange would have returned: the result is the same as
+  running it. The cond sits on the exchanges, one tensor in and one out, because torch's cond does
+  not differentiate a branch that returns floats and integers together (torch 2.13).
+- The batches merge as above (static shapes: R_a + R_b rows), the GEMM runs once, combine adds the
+  two sums. The second trip's byte counts are multiplied by `ran`: 0 when it did not run.
+The price: the second trip's index work, buffers and the merged GEMM buffer exist on every call, and
+the C2 buffer is allocated whether or not a pair spills. The decision stays on the device only inside
+a CUDA graph with conditional nodes: a cond run outside one (eager, aot_eager, inductor's wrapper)
+reads its predicate on the host to pick a branch. The CUDA path has not run (CPU and gloo only).
 """
 
 from __future__ import annotations
@@ -35,6 +63,8 @@ import torch
 from ..layers.dispatch import DispatchMeta
 from ..layers.experts import ExpertBatch
 from ..layers.router import RoutingDecision
+from . import ep_exchange
+from .ep_exchange import Links, Overflow
 from .ep_plan import excl_cumsum
 
 
@@ -98,18 +128,48 @@ def merge_batches(a: ExpertBatch, valid_a: torch.Tensor, b: ExpertBatch, valid_b
     return merged, torch.where(valid_a, mrow_a, 0), torch.where(valid_b, mrow_b, 0)
 
 
+def _joined(batch_a: ExpertBatch, meta_a: Any, batch_b: ExpertBatch, meta_b: Any, align: int,
+            dropped: torch.Tensor) -> tuple[ExpertBatch, SpillMeta]:
+    """The two trips' batches merged, and their meta (`dropped`: the pairs neither trip holds)."""
+    merged, row_a, row_b = merge_batches(batch_a, valid_rows(meta_a, batch_a.x_RD.shape[0]),
+                                         batch_b, valid_rows(meta_b, batch_b.x_RD.shape[0]), align)
+    meta = SpillMeta(pairs_dropped=dropped, first_expert=meta_a.first_expert,
+                     num_local=meta_a.num_local, link_demand=meta_a.link_demand,
+                     pairs_spilled=meta_a.pairs_dropped, main=meta_a, extra=meta_b, row_a=row_a, row_b=row_b,
+                     bytes_sent=meta_a.bytes_sent + meta_b.bytes_sent)
+    return merged, meta
+
+
 def dispatch_spill(exact: Any, x_TD: torch.Tensor, decision: RoutingDecision, spill_TK: torch.Tensor,
                    batch_a: ExpertBatch, meta_a: Any) -> tuple[ExpertBatch, SpillMeta]:
     """The overflow path: `spill_TK` (bool [T, K]) marks the pairs that did not fit; they go through
     `exact` (the dispatcher in exact mode) and join the buffered batch."""
     batch_b, meta_b = exact.dispatch(x_TD, replace(decision, valid_TK=spill_TK))
-    merged, row_a, row_b = merge_batches(batch_a, valid_rows(meta_a, batch_a.x_RD.shape[0]),
-                                         batch_b, valid_rows(meta_b, batch_b.x_RD.shape[0]), exact.align)
-    meta = SpillMeta(pairs_dropped=torch.zeros_like(meta_a.pairs_dropped), first_expert=meta_a.first_expert,
-                     num_local=meta_a.num_local, link_demand=meta_a.link_demand,
-                     pairs_spilled=meta_a.pairs_dropped, main=meta_a, extra=meta_b, row_a=row_a, row_b=row_b,
-                     bytes_sent=meta_a.bytes_sent + meta_b.bytes_sent)
-    return merged, meta
+    return _joined(batch_a, meta_a, batch_b, meta_b, exact.align, torch.zeros_like(meta_a.pairs_dropped))
+
+
+def second_links(links: Links, worst: int, max_tokens: int) -> Links | None:
+    """The capturable second trip's links: C2 pair slots and Cr2 = min(C2, max_tokens) row slots per
+    link (module note); None when the first trip's links hold the worst case W (nothing can spill)."""
+    C = links.pair_slots
+    if C >= worst:
+        return None
+    C2 = worst - C if not links.dedup or links.row_slots >= max_tokens else worst
+    return replace(links, pair_slots=C2, row_slots=min(C2, max_tokens), spill=False)
+
+
+def dispatch_spill_traced(links2: Links, x_TD: torch.Tensor, decision: RoutingDecision, over: Overflow,
+                          batch_a: ExpertBatch, meta_a: Any, align: int) -> tuple[ExpertBatch, SpillMeta]:
+    """The capturable overflow path: every call sends the pairs that did not fit (`over.pairs_TK`,
+    none on a call without overflow) through a buffered trip on `links2` whose exchanges run only
+    when some rank overflowed (a device bool: module note), and merges the two batches."""
+    ran = over.group_total > 0  # the same on every rank: the count exchange's sum
+    batch_b, meta_b, _, _ = ep_exchange.dispatch(x_TD, replace(decision, valid_TK=over.pairs_TK),
+                                                 replace(links2, run=ran), None)
+    # a trip that did not run moved no bytes (its buffers exist all the same)
+    meta_b = replace(meta_b, bytes_sent=meta_b.bytes_sent * ran, bytes_back=meta_b.bytes_back * ran,
+                     bytes_sent_without_dedup=meta_b.bytes_sent_without_dedup * ran)
+    return _joined(batch_a, meta_a, batch_b, meta_b, align, meta_b.pairs_dropped)
 
 
 def combine_spill(disp: Any, exact: Any, y_RD: torch.Tensor, meta: SpillMeta) -> torch.Tensor:
