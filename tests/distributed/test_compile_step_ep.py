@@ -8,9 +8,9 @@ resumed from the FSDP2 run's checkpoint (and the other way round). What must hol
 - replicated eager follows FSDP2 eager at the data-parallel noise floor (PARALLEL_TRAIN_LOSS) in the
   loss and the gradient norm: the same mean gradient, the same norm, the same clipping;
 - the compiled run builds its graphs in the first steps and none after (no recompile as the routing
-  changes: the buffers are static; worst-case links here, the layer test test_ep_capture.py covers
-  calls that overflow), with no graph break and no fallback to eager; its losses follow replicated
-  eager within COMPILED_TRAINING;
+  changes: the buffers are static; links at half the balanced load, so pairs spill every step and the
+  second trip's device decision, torch.cond, is in the graph), with no graph break and no fallback
+  to eager; its losses follow replicated eager within COMPILED_TRAINING, no pair dropped;
 - a checkpoint written in one layout resumes in the other: the next steps' losses follow the run
   that wrote it (the same format, resharded by DCP).
 """
@@ -34,8 +34,8 @@ from tolerances import COMPILED_TRAINING, PARALLEL_TRAIN_GRAD_NORM, PARALLEL_TRA
 
 STEPS, CKPT = 16, 8
 WARM_UP = 2  # the first step builds the graphs; the second, the update's with lr as an input
-EP = ("parallel.ep_size=2", "parallel.ep_mode=buffered", "parallel.ep_capturable=true", "parallel.on_overflow=skip",
-      "parallel.ragged_buffer_factor=-1", "train.dtype=fp32", "train.optimizer=muon", f"train.steps={STEPS}",
+EP = ("parallel.ep_size=2", "parallel.ep_mode=buffered", "parallel.ep_capturable=true", "parallel.on_overflow=spill",
+      "parallel.ragged_buffer_factor=0.5", "train.dtype=fp32", "train.optimizer=muon", f"train.steps={STEPS}",
       f"train.eval_every={STEPS}", f"train.ckpt_every={CKPT}")
 REPLICATED = (*EP, "parallel.fsdp=false")
 
@@ -102,6 +102,9 @@ def test_whole_ep_step_compiles_once_and_follows_eager(tmp_path: Path) -> None:
     assert _max_rel(step, repl) <= COMPILED_TRAINING
     assert _max_rel(_metric(tmp_path / "step", "val_loss"), _metric(tmp_path / "replicated", "val_loss")) \
         <= COMPILED_TRAINING
+    spilled = _metric(tmp_path / "step", "ep_pairs_spilled")
+    assert len(spilled) == 2 and min(spilled) > 0, spilled  # the overflow checks at steps 7 and 15
+    assert max(_metric(tmp_path / "step", "pairs_dropped")) == 0
     seen = json.loads((tmp_path / "graphs.json").read_text())
     assert len(seen) == STEPS and seen[0] >= 3, seen  # the model's, the norm's, the update's
     assert seen[WARM_UP - 1] == seen[-1], seen  # built in the warm-up, never again
