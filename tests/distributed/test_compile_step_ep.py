@@ -12,7 +12,8 @@ resumed from the FSDP2 run's checkpoint (and the other way round). What must hol
   second trip's device decision, torch.cond, is in the graph), with no graph break and no fallback
   to eager; its losses follow replicated eager within COMPILED_TRAINING, no pair dropped;
 - a checkpoint written in one layout resumes in the other: the next steps' losses follow the run
-  that wrote it (the same format, resharded by DCP).
+  that wrote it (the same format, resharded by DCP);
+- `train.compile=blocks` compiles the blocks in this layout and evaluates eager (exact-mode dispatch).
 """
 
 from __future__ import annotations
@@ -81,6 +82,14 @@ def _worker(rank: int, world: int, root: Path) -> None:
     torch.distributed.barrier()
     Trainer(tiny(*REPLICATED), root / "fsdp_to_replicated", resume=True).fit()
     Trainer(tiny(*EP), root / "replicated_to_fsdp", resume=True).fit()
+    # train.compile=blocks in the same layout: the blocks really compile (no FSDP2 hook to fall back
+    # on), and evaluation, whose exact-mode dispatch reads sizes on the host, runs eager
+    blocks = Trainer(tiny(*REPLICATED, "train.compile=blocks", "train.compile_backend=aot_eager", "train.steps=4",
+                          "train.eval_every=2"), root / "blocks")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", compiling.CompileFallback)
+        blocks.fit()
+    assert blocks.compiled is not None and blocks.compiled.failed is None
 
 
 def _metric(run_dir: Path, key: str) -> list[float]:

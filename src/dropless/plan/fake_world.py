@@ -74,9 +74,9 @@ def _loop_mm_fake(x_RD: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tens
 
 
 def _quant_mm_fake(x_RD: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor,
-                   precision: str) -> torch.Tensor:
+                   precision: str, rows_format: str | None = None) -> torch.Tensor:
     ends = _host_ends(x_RD, w_EDF.shape[0], quant_gemm.recipe(precision).token_block)
-    return _real_quant_mm(x_RD, w_EDF, ends, precision)
+    return _real_quant_mm(x_RD, w_EDF, ends, precision, rows_format)
 
 
 class _HostCopyStandIn:

@@ -134,14 +134,14 @@ def _describe(err: BaseException) -> str:
     return line(err) if root is err else f"{line(err)} {line(root)}"
 
 
-def compile_blocks(model: nn.Module, device: torch.device,
-                   backend: str | Callable | None = None) -> CompiledBlocks | None:
+def compile_blocks(model: nn.Module, device: torch.device, backend: str | Callable | None = None,
+                   train_only: bool = False) -> CompiledBlocks | None:
     """Compile every block of `model` (its `blocks` list) in place with `backend` (a
-    train.compile_backend name; default inductor). None, with one CompileFallback warning, where
-    `compiler_problem` says it cannot compile."""
+    train.compile_backend name; default inductor); `train_only`: calls without autograd run eager.
+    None, with one CompileFallback warning, where `compiler_problem` says it cannot compile."""
     backend = BACKENDS[backend or "inductor"]
     problem = compiler_problem(device, backend)
     if problem is not None:
         warnings.warn(f"train.compile=blocks: {problem}; training continues eager", CompileFallback, stacklevel=2)
         return None
-    return CompiledBlocks(model.blocks, backend)
+    return CompiledBlocks(model.blocks, backend, train_only=train_only)

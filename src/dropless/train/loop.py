@@ -100,7 +100,10 @@ class Trainer:
                              "layout, distributed/replicated.py), or use train.compile=blocks")
         # train.compile: the blocks, or the whole model, compiled in place (names, state and
         # checkpoints unchanged); under "step" also the gradient norm and the update (compile_step.py)
-        self.compiled = (compiling.compile_blocks(self.model, lay.device, t.compile_backend)
+        # (several processes: evaluation dispatches in exact mode, whose split sizes are host reads a
+        # fullgraph block cannot hold, so calls without autograd run eager, as under "step")
+        self.compiled = (compiling.compile_blocks(self.model, lay.device, t.compile_backend,
+                                                  train_only=lay.distributed)
                          if t.compile == "blocks" else None)
         self.optimizer = build_optimizer(self.model, t, lay.placement.autocast_dtype)
         self.step_fns = build_step_fns(t, lay, self.model, self.optimizer)
