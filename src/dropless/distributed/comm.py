@@ -32,10 +32,7 @@ bf16 (the encoding's own gradient is the identity), so a low-precision payload h
 gradient's trip too; `native` sends it in the rows' dtype as before. The appended zero row
 is a row of zero bytes, which every payload decodes to zeros.
 
-Traceable (`all_to_all_traceable`, parallel.ep_capturable): the fixed-split exchange on torch's
-functional collectives, which torch.compile traces without a graph break; its autograd is torch's.
-With `run` (a device bool) it runs under `torch.cond`, else returns zeros: the capturable spill's
-second trip (ep_spill.py).
+Traceable exchanges (parallel.ep_capturable) are comm_traced.py's: torch's functional collectives.
 
 Overlap (`all_to_all_start` / `all_to_all_wait`): the same exchange split into issue and wait, so a
 caller computes something else while it is in flight (the EP dispatcher runs the shared experts
@@ -50,12 +47,10 @@ test_ep_overlap.py). Both go through the watch (`CommWatch.run_async`).
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as _fc
 from torch.distributed import ProcessGroup
 
 from ..ops import payload as _payload
@@ -293,30 +288,3 @@ def reduce_scatter_rows(y: torch.Tensor, group: ProcessGroup | None) -> torch.Te
     """Block r of `y` ([P * N, ...]) summed over the ranks, to rank r. Differentiable (the backward is
     the gather of the gradient). The sum runs in y's dtype, in the backend's order."""
     return _ReduceScatter.apply(y, group)
-
-
-def all_to_all_traceable(x: torch.Tensor, group: ProcessGroup | None, zero_row: bool = False,
-                         differentiable: bool = True, run: torch.Tensor | None = None) -> torch.Tensor:
-    """`all_to_all_fixed` on torch's functional collectives, which dynamo traces into one graph (no
-    graph break, no host read): the form a CUDA-graph capture of the EP step needs
-    (parallel.ep_capturable). The same exchange and the same bits; the collective watch does not see
-    it (a traced collective cannot call back into Python).
-
-    `run` (a device bool, the same on every rank): the exchange under `torch.cond`, and when False a
-    zero-filled buffer of the received shape instead, with no collective (the capturable spill's
-    second trip, distributed/ep_spill.py: False only when every rank sends zeros, which is then
-    exactly what the exchange would return). Its backward is the same cond on the gradient."""
-    world = dist.get_world_size(group)
-    if x.shape[0] % world:
-        raise ValueError(f"all_to_all_traceable: {x.shape[0]} rows do not split evenly over {world} ranks")
-    exchange = partial(_traced_exchange, group if group is not None else dist.group.WORLD, differentiable)
-    # one tensor in, one out: torch's cond differentiates a branch whose outputs are all floats or
-    # none needs a gradient (mixed outputs fail its backward in torch 2.13)
-    x = x.contiguous()
-    y = exchange(x) if run is None else torch.cond(run, exchange, torch.zeros_like, (x,))
-    return torch.cat([y, y.new_zeros((1, *y.shape[1:]))]) if zero_row else y
-
-
-def _traced_exchange(group: ProcessGroup, differentiable: bool, x: torch.Tensor) -> torch.Tensor:
-    exchange = _fc.all_to_all_single_autograd if differentiable else _fc.all_to_all_single
-    return _fc.wait_tensor(exchange(x, None, None, group))

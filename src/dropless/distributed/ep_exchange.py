@@ -76,7 +76,7 @@ from ..layers.experts import ExpertBatch
 from ..layers.router import RoutingDecision
 from ..ops import payload as _payload
 from ..ops import permute as perm
-from . import comm
+from . import comm, comm_traced
 from .ep_plan import BagSum, bags, dest_layout, excl_cumsum, source_pairs, take
 
 _META_BYTES = 8  # per pair with de-dup: fp32 weight + int32 row index
@@ -150,7 +150,7 @@ def dispatch(x_TD: torch.Tensor, decision: RoutingDecision, links: Links,
     def send(t: torch.Tensor, out_s: tuple | None, in_s: tuple | None, zero_row: bool = False,
              payload: str = "native") -> object:
         if links.traceable:  # buffered, native rows (EPDispatcher checks): one traced exchange
-            return comm.all_to_all_traceable(t, links.group, zero_row, run=links.run)
+            return comm_traced.all_to_all_traceable(t, links.group, zero_row, run=links.run)
         if during is not None:
             return comm.all_to_all_start(t, out_s, in_s, links.group, zero_row, payload)
         if out_s is None:
@@ -181,7 +181,7 @@ def dispatch(x_TD: torch.Tensor, decision: RoutingDecision, links: Links,
     overflow = src.pairs_P.sum() - kept_P.sum()
     info = [src.kept_PL, rows_P[:, None]] + ([overflow.expand(Pn, 1)] if spill else [])
     info = torch.cat(info, 1).reshape(-1)
-    recv_PX = (comm.all_to_all_traceable(info, links.group, differentiable=False, run=links.run)
+    recv_PX = (comm_traced.all_to_all_traceable(info, links.group, differentiable=False, run=links.run)
                if links.traceable else comm._exchange(info, None, None, links.group)).view(Pn, L + 1 + spill)
     counts_SL = recv_PX[:, :L]  # pairs from source s for local expert l
 
@@ -317,7 +317,7 @@ def combine(y_RD: torch.Tensor, meta: EPMeta, group: ProcessGroup | None) -> tor
     else:
         y_send = y_RD.index_select(0, meta.row_n)  # exact mode: every slot holds a pair
     if meta.traceable:
-        y_back = comm.all_to_all_traceable(y_send, group, zero_row=not dedup, run=meta.run)
+        y_back = comm_traced.all_to_all_traceable(y_send, group, zero_row=not dedup, run=meta.run)
     elif buffered:
         y_back = comm.all_to_all_fixed(y_send, group, zero_row=not dedup)
     else:

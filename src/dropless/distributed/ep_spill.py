@@ -40,7 +40,7 @@ are what a traced graph cannot hold, so both become device work of fixed shape.
   dropped pairs is reported as the layer's, and is 0). With C = W nothing can spill: no second trip.
 - The decision is `ran = group overflow > 0`, a device bool every rank computes from the same count
   exchange. Each of the second trip's exchanges (counts, rows, pair metadata, and in combine the rows
-  back) runs under `torch.cond(ran, exchange, zeros)` (comm.py `all_to_all_traceable(run=)`); the
+  back) runs under `torch.cond(ran, exchange, zeros)` (comm_traced.py `all_to_all_traceable(run=)`); the
   index code around them runs either way. When no rank overflowed every rank sends only zeros, so the
   zero-filled buffer is exactly what the exchange would have returned: the result is the same as
   running it. The cond sits on the exchanges, one tensor in and one out, because torch's cond does
