@@ -142,3 +142,18 @@ def test_block_compiles_fullgraph_with_more_rows_than_one_activation_block() -> 
             loss = model(x, x).loss
         loss.backward()
     assert compiled is not None and compiled.failed is None
+
+
+def test_a_second_compiled_run_in_one_process_still_sees_its_routers(tmp_path: Path) -> None:
+    """Two runs one after the other in one process (a notebook, the matrix's stages): dynamo reuses
+    the first run's block graphs for the second model, and those graphs do not call the forward hooks
+    the routing monitor's probe puts on the routers, so the probe saw no router input and the first
+    log step failed. The probe runs eager (health.py)."""
+    extra = ("train.compile=blocks", "train.compile_backend=aot_eager", "train.steps=3", "train.eval_every=3")
+    for name in ("first", "second"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", compiling.CompileFallback)
+            trainer = Trainer(tiny(*extra), tmp_path / name)
+            trainer.fit()
+        assert trainer.compiled is not None and trainer.compiled.failed is None
+        assert len(rows(tmp_path / name, "loss")) == 3

@@ -226,7 +226,9 @@ class TrainHealth:
         was_training = self.model.training
         self.model.eval()
         try:
-            with autocast:
+            # eager even where the blocks are compiled: a graph dynamo already built for another model of
+            # the same code (an earlier run in this process) does not call these hooks
+            with autocast, torch.compiler.set_stance("force_eager"):
                 self.model(self.probe_BS)
         finally:
             for h in hooks:
