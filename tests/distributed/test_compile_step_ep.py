@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
 
+from compile_counts import graphs_per_step
 from dist_harness import run_world
 from dropless.runs import checkpoint as ckpt
 from dropless.train import compiling
@@ -45,18 +46,7 @@ def _compiled(rank: int, run_dir: Path) -> list[int]:
     torch._dynamo.reset()
     counters.clear()
     trainer = Trainer(tiny(*REPLICATED, "train.compile=step", "train.compile_backend=aot_eager"), run_dir)
-    seen: list[int] = []
-    real = trainer.train_step
-
-    def counted(step: int, log_step: bool = False):
-        out = real(step, log_step)
-        seen.append(counters["stats"]["unique_graphs"])
-        return out
-
-    trainer.train_step = counted  # type: ignore[method-assign]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", compiling.CompileFallback)  # a fallback would run eager
-        trainer.fit()
+    seen = graphs_per_step(trainer)
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert trainer.step_fns.grad_norm.failed is None and trainer.step_fns.update.failed is None
     assert trainer.compiled is trainer.step_fns.model_graph and trainer.compiled.failed is None

@@ -40,10 +40,8 @@ from dropless.distributed.ep_spill import SpillMeta, second_links
 from dropless.distributed.parallelize_ep import shard_moe_layer
 from dropless.layers.moe import MoELayer
 from dropless.layers.router import RoutingDecision
-from dropless.train.loop import Trainer
-from test_ep import _case_list, _check_parity, _run_case
-from tiny_run import tiny
-from tolerances import EP_REDUCED, PARALLEL_TRAIN_LOSS, assert_close
+from test_ep_spill import _spill_cases, _trainer_case
+from tolerances import EP_REDUCED, assert_close
 
 T, D, E, K = 12, 16, 8, 2
 
@@ -174,54 +172,15 @@ def _bytes_case(rank: int, world: int) -> None:
     assert torch.equal(disp.combine(torch.ones(batch.x_RD.shape[0], 4), meta), torch.ones(4, 4))
 
 
-def _trainer_case(rank: int, world: int, root: Path) -> None:
-    """The trainer (eager) with capturable spill: the expert bias sends every token to rank 0's experts,
-    so links at factor 0.5 overflow; the steps are applied (none skipped or rerun), the check reports
-    spilled pairs, and the losses follow exact mode's at the EP noise floor (test_ep_spill.py's case)."""
-    base = ("model.moe.router.use_expert_bias=true", "model.moe.balance.bias_update_rate=0",
-            "parallel.ep_size=2", "train.dtype=fp32", "train.steps=4")
-    spill = ("parallel.ep_mode=buffered", "parallel.ragged_buffer_factor=0.5", "parallel.on_overflow=spill",
-             "parallel.ep_capturable=true")
-    losses = {}
-    for name, extra in (("exact", ()), ("spill", spill)):
-        trainer = Trainer(tiny(*base, *extra), root / name)
-        for layer in trainer.model.moe_layers():
-            layer.router.set_bias(torch.tensor([1.0, 1.0, 0.0, 0.0]))
-        losses[name] = [float(trainer.train_step(step)[0].loss) for step in range(3)]
-        if name == "spill":
-            row = trainer.overflow.check(2)
-            assert row["ep_pairs_spilled"] > 0 and row["ep_steps_retried"] == 0, row
-            assert int(trainer.overflow.skipped) == 0
-    for a, b in zip(losses["exact"], losses["spill"]):
-        assert abs(a - b) <= PARALLEL_TRAIN_LOSS * abs(a), losses
-
-
 def _parity_worker(rank: int, world: int, root: Path) -> None:
     torch.use_deterministic_algorithms(True)
     torch.utils.deterministic.fill_uninitialized_memory = True  # a read of unwritten memory shows as NaN
     _bytes_case(rank, world)
-    spilled_total = 0
-    for case in _case_list(world):
-        if case.get("precision"):  # spilled rows change the 32-row quantisation blocks (test_ep_spill.py)
-            continue
-        for dedup in (False, True):
-            for factor in (0.3, -1):
-                tag = f"world={world} {case['name']} capturable spill dedup={dedup} factor={factor}"
-                res = _run_case(rank, world, case, "buffered", dedup, factor, on_overflow="spill",
-                                ep_capturable=True)
-                _check_parity(tag, res, EP_REDUCED)
-                st = res["_stats"]
-                assert int(st.pairs_dropped) == 0, tag
-                assert int(st.pairs_computed) == res["_pairs_ref"], tag
-                spilled = st.pairs_spilled.clone()
-                dist.all_reduce(spilled)
-                if factor == -1:
-                    assert int(spilled) == 0, tag
-                elif case.get("force"):
-                    assert int(spilled) > 0, tag  # every token on rank 0: the links must overflow
-                spilled_total += int(spilled)
-    assert spilled_total > 0
-    _trainer_case(rank, world, root)
+    # test_ep's cases through the capturable spill against one process (factor 0.3 and -1, de-dup on
+    # and off; the mxfp8 case left out: spilled rows change the 32-row quantisation blocks)
+    _spill_cases(rank, world, ep_capturable=True)
+    # the trainer (eager) with capturable spill: steps applied, spilled pairs reported, losses as exact mode's
+    _trainer_case(rank, world, root, "parallel.ep_capturable=true")
 
 
 def test_capturable_spill_matches_single_process(tmp_path: Path) -> None:

@@ -30,7 +30,9 @@ from tiny_run import tiny
 from tolerances import EP_REDUCED, PARALLEL_TRAIN_LOSS
 
 
-def _spill_cases(rank: int, world: int) -> None:
+def _spill_cases(rank: int, world: int, **parallel: object) -> None:
+    """test_ep's cases through the spill trip against one process; `parallel`: more settings of the EP
+    layer (test_ep_capture_spill.py: the capturable layer)."""
     torch.use_deterministic_algorithms(True)
     torch.utils.deterministic.fill_uninitialized_memory = True  # a read of unwritten memory shows as NaN
     spilled_total = 0
@@ -39,8 +41,8 @@ def _spill_cases(rank: int, world: int) -> None:
             continue
         for dedup in (False, True):
             for factor in (0.3, -1):
-                tag = f"world={world} {case['name']} spill dedup={dedup} factor={factor}"
-                res = _run_case(rank, world, case, "buffered", dedup, factor, on_overflow="spill")
+                tag = f"world={world} {case['name']} spill dedup={dedup} factor={factor} {parallel}"
+                res = _run_case(rank, world, case, "buffered", dedup, factor, on_overflow="spill", **parallel)
                 _check_parity(tag, res, EP_REDUCED)
                 st = res["_stats"]
                 assert int(st.pairs_dropped) == 0, tag
@@ -76,15 +78,17 @@ def _recompute_case(rank: int, world: int) -> None:
     assert int(st.pairs_spilled) > 0 or world == 1
 
 
-def _trainer_case(rank: int, world: int, root: Path) -> None:
+def _trainer_case(rank: int, world: int, root: Path, *spill_extra: str) -> None:
     """The trainer with spill: every token sent to rank 0's experts overflows links at factor 0.5; the
     steps are applied (no skip, no rerun), the check reports the spilled pairs, and the losses follow
-    exact mode's (the same steps, every pair computed) at the EP noise floor."""
+    exact mode's (the same steps, every pair computed) at the EP noise floor. `spill_extra`: more
+    settings of the spill run (test_ep_capture_spill.py: the capturable layer)."""
     base = ("model.moe.router.use_expert_bias=true", "model.moe.balance.bias_update_rate=0",
             "parallel.ep_size=2", "train.dtype=fp32", "train.steps=4")
+    spill = ("parallel.ep_mode=buffered", "parallel.ragged_buffer_factor=0.5", "parallel.on_overflow=spill",
+             *spill_extra)
     losses = {}
-    for name, extra in (("exact", ()), ("spill", ("parallel.ep_mode=buffered", "parallel.ragged_buffer_factor=0.5",
-                                                    "parallel.on_overflow=spill"))):
+    for name, extra in (("exact", ()), ("spill", spill)):
         trainer = Trainer(tiny(*base, *extra), root / name)
         for layer in trainer.model.moe_layers():
             layer.router.set_bias(torch.tensor([1.0, 1.0, 0.0, 0.0]))

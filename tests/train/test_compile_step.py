@@ -8,13 +8,13 @@ change; the inductor run is marked slow.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from compile_counts import graphs_per_step
 from tiny_run import rows, tiny
 from tolerances import COMPILED_TRAINING, INDUCTOR_TRAINING
 
@@ -36,23 +36,6 @@ def _trainer(run_dir: Path, *extra: str) -> Trainer:
     return Trainer(tiny("train.compile=step", *extra), run_dir)
 
 
-def _graphs_per_step(trainer: Trainer) -> list[int]:
-    """Run `trainer.fit()`; dynamo's count of graphs built so far, after each optimizer step."""
-    seen: list[int] = []
-    real = trainer.train_step
-
-    def counted(step: int, log_step: bool = False):
-        out = real(step, log_step)
-        seen.append(counters["stats"]["unique_graphs"])
-        return out
-
-    trainer.train_step = counted  # type: ignore[method-assign]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", compiling.CompileFallback)  # a fallback would run eager
-        trainer.fit()
-    return seen
-
-
 @pytest.mark.parametrize("dtype,optimizer", [("fp32", "muon"), pytest.param("bf16", "adamw", marks=pytest.mark.slow)])
 def test_200_steps_build_their_graphs_once(tmp_path: Path, dtype: str, optimizer: str) -> None:
     """200 steps of changing routing (new batches, moving weights, the expert counts of every layer
@@ -63,7 +46,7 @@ def test_200_steps_build_their_graphs_once(tmp_path: Path, dtype: str, optimizer
                        "train.eval_every=100", "train.ckpt_every=100", "log.log_every=25",
                        "train.compile_backend=aot_eager")
     assert trainer.step_fns.update.backend == "aot_eager"
-    seen = _graphs_per_step(trainer)
+    seen = graphs_per_step(trainer)
     assert len(seen) == 200
     assert seen[WARM_UP - 1] == seen[-1] == 5, seen[:WARM_UP + 3]
     assert not counters["graph_break"], dict(counters["graph_break"])
@@ -86,7 +69,7 @@ def test_an_injected_graph_break_is_caught(tmp_path: Path, monkeypatch: pytest.M
 
     monkeypatch.setattr(MoELayer, "_stats", with_break)
     with pytest.raises(compiling.CompileFallback, match="train.compile=step"):
-        _graphs_per_step(_trainer(tmp_path, "train.steps=3"))
+        graphs_per_step(_trainer(tmp_path, "train.steps=3"))
 
 
 @pytest.mark.slow
@@ -110,7 +93,7 @@ def test_a_recompile_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         return real(step, log_step)
 
     trainer.train_step = tagged  # type: ignore[method-assign]
-    seen = _graphs_per_step(trainer)
+    seen = graphs_per_step(trainer)
     assert seen[-1] > seen[WARM_UP - 1]
 
 
@@ -119,7 +102,7 @@ def test_compiled_step_follows_eager(tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setitem(compiling.BACKENDS, "inductor", "aot_eager")
     extra = (f"train.dtype={dtype}", "train.optimizer=muon", "train.steps=5", "train.eval_every=5")
     Trainer(tiny(*extra), tmp_path / "eager").fit()
-    _graphs_per_step(_trainer(tmp_path / "step", *extra))
+    graphs_per_step(_trainer(tmp_path / "step", *extra))
     eager, step = rows(tmp_path / "eager", "loss"), rows(tmp_path / "step", "loss")
     assert len(eager) == len(step) == 5
     for a, b in zip(step, eager):
@@ -136,7 +119,7 @@ def test_inductor_step_follows_eager(tmp_path: Path) -> None:
         pytest.skip("no C++ compiler for inductor")
     extra = ("train.dtype=bf16", "train.optimizer=muon", "train.steps=5", "train.eval_every=5")
     Trainer(tiny(*extra), tmp_path / "eager").fit()
-    _graphs_per_step(_trainer(tmp_path / "step", *extra))
+    graphs_per_step(_trainer(tmp_path / "step", *extra))
     for a, b in zip(rows(tmp_path / "step", "loss"), rows(tmp_path / "eager", "loss")):
         assert abs(a["loss"] - b["loss"]) <= INDUCTOR_TRAINING * abs(b["loss"])
 
