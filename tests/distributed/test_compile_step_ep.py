@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
 
-from compile_counts import graphs_per_step
+from compile_counts import graphs_per_step, reading_backend
 from dist_harness import run_world
 from dropless.runs import checkpoint as ckpt
 from dropless.train import compiling
@@ -45,8 +45,14 @@ REPLICATED = (*EP, "parallel.fsdp=false")
 def _compiled(rank: int, run_dir: Path) -> list[int]:
     torch._dynamo.reset()
     counters.clear()
+    reads: list[str] = []
+    compiling.BACKENDS["aot_eager"] = reading_backend(reads)  # (this spawned process only)
     trainer = Trainer(tiny(*REPLICATED, "train.compile=step", "train.compile_backend=aot_eager"), run_dir)
     seen = graphs_per_step(trainer)
+    # the one host read in the step's graphs: dynamo turns the learning rate, a Python float that
+    # changes every step, into a CPU scalar input read back with `item` (the update's graph); the
+    # model's graph (EP exchanges and the spill's decision included) and the norm's hold none
+    assert reads and all(r.startswith("item(") and "_lr_" in r for r in reads), reads
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert trainer.step_fns.grad_norm.failed is None and trainer.step_fns.update.failed is None
     assert trainer.compiled is trainer.step_fns.model_graph and trainer.compiled.failed is None

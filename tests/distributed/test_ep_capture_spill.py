@@ -27,11 +27,10 @@ from pathlib import Path
 import torch
 import torch._dynamo
 import torch.distributed as dist
-from torch._dynamo.backends.debugging import aot_eager
 from torch._dynamo.utils import counters
 
 from dist_harness import run_world
-from host_sync import HOST_READS
+from compile_counts import reading_backend
 from dropless.config import MoEConfig, ParallelConfig
 from dropless.distributed.ep import EPDispatcher
 from dropless.distributed.ep_exchange import Links
@@ -90,18 +89,6 @@ def _step(layer: MoELayer):
     return step
 
 
-def _reading_backend(reads: list[str]):
-    """aot_eager, noting every host read in the graphs dynamo hands it (branches included): dynamo
-    traces `int(t)` into the graph as `item` without a graph break, so fullgraph alone misses it."""
-    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
-        for m in gm.modules():
-            if isinstance(m, torch.fx.GraphModule):
-                reads.extend(str(n.target) for n in m.graph.nodes
-                             if str(n.target) in HOST_READS or "_local_scalar_dense" in str(n.target))
-        return aot_eager(gm, example_inputs)
-    return backend
-
-
 def _compiled_worker(rank: int, world: int) -> None:
     torch.use_deterministic_algorithms(True)
     for dedup in (False, True):
@@ -109,7 +96,7 @@ def _compiled_worker(rank: int, world: int) -> None:
         counters.clear()
         eager, traced = _layer(world, 1.1, dedup), _layer(world, 1.1, dedup)
         reads: list[str] = []
-        compiled = torch.compile(_step(traced), fullgraph=True, backend=_reading_backend(reads))
+        compiled = torch.compile(_step(traced), fullgraph=True, backend=reading_backend(reads))
         graphs, spilled = [], []
         for i in range(20):
             gen = torch.Generator().manual_seed(100 * i + rank)
